@@ -1,0 +1,62 @@
+"""Config helpers: where `conf/` lives, composing it outside `@hydra.main`, and building objects from it.
+
+`_target_` is the only registry: `ls conf/method` is the method catalogue, `ls conf/model` the model list.
+Unknown names fail here with the list of valid choices, before any model loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+class ConfigError(ValueError):
+    """Bad configuration: the message names the setting, the rule and, for names, the valid choices."""
+
+
+def choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_choice(group: str, name: str) -> None:
+    if name not in choices(group):
+        raise ConfigError(f"unknown {group} {name!r}; valid choices: {', '.join(choices(group))}")
+
+
+def compose(config_name: str = "config", overrides: list[str] | None = None) -> DictConfig:
+    """The resolved config as `python -m evalkit <overrides>` would see it (single run)."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=overrides or [])
+
+
+def group_config(group: str, name: str) -> DictConfig:
+    check_choice(group, name)
+    return OmegaConf.load(CONF_DIR / group / f"{name}.yaml")
+
+
+def model_spec(name_or_cfg):
+    """A `ModelSpec` from a model conf name or an already composed `model` config node."""
+    cfg = group_config("model", name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
+    return instantiate(cfg)
+
+
+def make_method(name_or_cfg, **overrides):
+    """A KV method from a conf name (`make_method("snapstream", budget=512)`) or a composed `method` node.
+
+    Invalid settings raise `ConfigError` naming the setting and the rule.
+    """
+    cfg = group_config("method", name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
+    cfg = OmegaConf.merge(cfg, overrides)
+    try:
+        return instantiate(cfg)
+    except Exception as e:  # hydra wraps the dataclass's ValueError in an InstantiationException
+        cause = e.__cause__ or e
+        if isinstance(cause, ValueError | TypeError):
+            raise ConfigError(str(cause)) from None
+        raise

