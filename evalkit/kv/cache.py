@@ -308,9 +308,9 @@ class KVCache(Cache):
                 "seen": seen,
                 "kept": kept,
                 "evicted": seen - kept,
-                "bytes": l.entry_bytes() * self.used,
+                "bytes": lay.entry_bytes() * self.used,
             }
-            for i, l in enumerate(self.layers)
+            for i, lay in enumerate(self.layers)
         ]
         pos0, lengths = (
             self.layers[0].pos[:, 0, : self.used],
@@ -325,7 +325,7 @@ class KVCache(Cache):
             "evicted_generated": generated - kept_generated,
             "slots": self.used,  # slots per row, layer and head (= budget for ring methods)
             "bytes": sum(d["bytes"] for d in per_layer),
-            "reserved_bytes": sum(l.entry_bytes() * l.keys.shape[2] for l in self.layers),
+            "reserved_bytes": sum(lay.entry_bytes() * lay.keys.shape[2] for lay in self.layers),
             "per_layer": per_layer,
         }
 
