@@ -48,8 +48,11 @@ def evalkit_attention(module, query, key, value, attention_mask, scaling=None, *
 
 
 def register() -> None:
-    ALL_ATTENTION_FUNCTIONS.register(NAME, evalkit_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    """Idempotent: an already registered "evalkit" entry (e.g. a test's spy around it) is left alone."""
+    if NAME not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(NAME, evalkit_attention)
+    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS:
+        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
 def attach(model):

@@ -199,6 +199,7 @@ class KVCache(Cache):
         self.used = 0  # slots in use per row (static `budget` for ring methods)
         self.step_mask: torch.Tensor | None = None  # (B, 1, q, used) bool for this step, None = attend to all
         self._has_empty = False
+        self.visible = 0  # slots attention reads this step (a prefix of `used`)
         super().__init__(layers=[KVLayer(self, i) for i in range(num_layers)])
 
     @classmethod
@@ -237,7 +238,7 @@ class KVCache(Cache):
             layer.keys.scatter_(2, slot.view(b, 1, 1, 1).expand(b, h, 1, k.shape[3]), k)
             layer.values.scatter_(2, slot.view(b, 1, 1, 1).expand(b, h, 1, v.shape[3]), v)
             layer.pos.scatter_(2, slot.view(b, 1, 1).expand(b, h, 1), p.expand(b, h, 1))
-        return layer.keys[:, :, : self.used], layer.values[:, :, : self.used]
+        return layer.keys[:, :, : self.visible], layer.values[:, :, : self.visible]
 
     def _advance(self, q: int) -> None:
         rows, dev = self.rows, self.rows.valid.device
@@ -267,8 +268,6 @@ class KVCache(Cache):
         elif self._has_empty:  # only while a short prompt's ring still has never-written slots
             for r, s in enumerate(slots):
                 rows.valid[r, s] = True
-        if self._has_empty:
-            self._has_empty = not bool(rows.valid[:, : self.used].all())
         rows.next_pos = [p + q for p in rows.next_pos]
         self.seen += q
         self.step += 1
@@ -279,13 +278,22 @@ class KVCache(Cache):
         return (p[:, None] + torch.arange(q, dtype=torch.int32, device=dev)).view(-1, 1, q)  # (B, 1, q)
 
     def _mask(self, q: int, dev) -> torch.Tensor | None:
+        """This step's attention mask over the first `visible` slots; sets `visible`."""
+        self.visible = self.used
+        if q > 1:  # multi-token continuation (append methods): new tokens are causal among themselves
+            col = torch.arange(self.used, device=dev)
+            causal = col[None, :] <= (self.used - q + torch.arange(q, device=dev))[:, None]  # (q, used)
+            return self.rows.valid[:, None, None, : self.used] & causal[None, None]
+        if not self._has_empty:
+            return None
+        # Empty slots remain (a short prompt, or pads). While every row's filled slots are one prefix [0, m),
+        # attend to that prefix unmasked: the same keys, in the same order, as the full cache (and less work).
         valid = self.rows.valid[:, : self.used]
-        if q == 1:
-            return valid[:, None, None, :] if self._has_empty else None
-        # multi-token continuation (append methods): new tokens are causal among themselves
-        col = torch.arange(self.used, device=dev)
-        causal = col[None, :] <= (self.used - q + torch.arange(q, device=dev))[:, None]  # (q, used)
-        return valid[:, None, None, :] & causal[None, None]
+        m = int(valid.sum(1).max())
+        if bool(valid[:, :m].all()):
+            self.visible, self._has_empty = m, m < self.used
+            return None
+        return valid[:, None, None, :]
 
     # --- reporting ------------------------------------------------------------------------------------------
     def stats(self) -> dict:

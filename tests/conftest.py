@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny random models of each supported architecture, and the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY = {
+    "llama": dict(
+        model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    ),
+    "qwen3": dict(
+        model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+    ),
+    # MLA: transformers caches the latent (kv_lora_rank wide keys, rope-dim wide values, one head)
+    "deepseek_v3": dict(
+        model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+        kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        max_position_embeddings=1024,
+    ),
+}  # fmt: skip
+
+
+def tiny_model(arch: str, seed: int = 0):
+    """A random model of a real architecture, evalkit attention attached, fp32, eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from evalkit.kv import attach
+
+    cfg = dict(TINY[arch])
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(seed)
+    return attach(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the embedded default (converted once into $EVALKIT_CACHE)."""
+    from evalkit.config import model_spec
+    from evalkit.models import load_model
+
+    return load_model(model_spec("smollm2_135m"))

@@ -1,0 +1,22 @@
+"""A real signal on the embedded model: a number hidden mid-prompt (~1.5k tokens) survives SnapStream's
+budget of 256 but not StreamingLLM's. Greedy decoding on a CPU is deterministic, so the pattern is fixed."""
+
+from evalkit.config import make_method
+from evalkit.demo import run
+
+
+def test_needle_retrieved_by_full_and_snapstream_not_streamingllm(smollm2):
+    model, tok = smollm2
+    methods = [
+        make_method("full"),
+        make_method("snapstream", budget=256),
+        make_method("streamingllm", budget=256),
+    ]
+    rows = run(model, tok, methods, length=1500, n=3, max_new_tokens=10)
+    got = {}
+    for r in rows:
+        assert 1350 <= r["prompt_tokens"] <= 1650
+        got.setdefault(r["method"], []).append(r["retrieved"])
+    assert got == {"full": [True] * 3, "snapstream": [True] * 3, "streamingllm": [False] * 3}, rows
+    kept = {r["method"]: r["kept_entries"] for r in rows}
+    assert kept["snapstream"] == kept["streamingllm"] == 256 and kept["full"] > 1350

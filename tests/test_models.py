@@ -1,0 +1,57 @@
+"""Model loading: every conf composes; real loading code runs on saved tiny models; errors say what to do."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from evalkit.config import choices, model_spec
+from evalkit.models import ModelLoadError, ModelSpec, load_model
+from tests.conftest import TINY
+
+
+@pytest.mark.parametrize("name", choices("model"))
+def test_every_model_conf_instantiates(name):
+    spec = model_spec(name)
+    assert isinstance(spec, ModelSpec) and spec.name == name
+    assert spec.id or spec.gguf or spec.random
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "deepseek_v3"])
+def test_loads_saved_weights_from_a_local_path(arch, tmp_path, smollm2):
+    """The path used for Llama-3.1 / Qwen3 / DeepSeek-R1 weights, on tiny random weights of the same architecture."""
+    cfg = dict(TINY[arch])
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    smollm2[1].save_pretrained(tmp_path)  # any tokenizer will do for loading
+    model, tok = load_model(ModelSpec(name=f"tiny_{arch}", path=str(tmp_path), dtype="float32"))
+    assert model.config._attn_implementation == "evalkit" and tok.padding_side == "left"
+    assert model.config.model_type == config.model_type
+
+
+def test_missing_local_weights(tmp_path):
+    with pytest.raises(ModelLoadError, match="weights not found"):
+        load_model(ModelSpec(name="x", path=str(tmp_path / "nope")))
+
+
+def test_unreachable_hub_says_how_to_fix():
+    with pytest.raises(ModelLoadError) as err:
+        load_model(model_spec("llama31_8b_instruct"))
+    assert "meta-llama/Llama-3.1-8B-Instruct" in str(err.value) and "model.path" in str(err.value)
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 8}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 't5'"):
+        load_model(ModelSpec(name="t5", path=str(tmp_path)))
+
+
+def test_embedded_model_is_cached_and_uses_its_chat_template(smollm2):
+    model, tok = smollm2
+    assert model.config.num_hidden_layers == 30 and model.config.num_key_value_heads == 3
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert model.dtype == torch.float32
