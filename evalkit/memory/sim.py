@@ -145,13 +145,14 @@ class Deployment:
         w_hbm = min(self.weight_bytes_socket, hw.hbm_bytes)
         kv_hbm = min(kv_bytes, hw.hbm_bytes - w_hbm)
         spill = self.weight_bytes_socket - w_hbm + kv_bytes - kv_hbm  # -> DDR
+        fits = spill <= hw.ddr_bytes  # a GPU has no DDR: any spill means the batch does not fit
         # Memory time: every byte read once per step; HBM and DDR reads summed (conservative: no overlap).
         mem_s = (w_hbm + kv_hbm) / (hw.hbm_bw * hw.efficiency)
-        mem_s += spill / (hw.ddr_bw * hw.efficiency) if spill else 0.0
+        if spill:
+            mem_s += spill / (hw.ddr_bw * hw.efficiency) if fits else math.inf
         # Compute: projections 2·active·tokens spread over all sockets; attention 2·heads·entries·width.
         attn = 2 * kv.layers * kv.heads * entries * sum(kv.attn_widths) * seqs / self.kv_shard
         comp_s = (2 * self.model.active_parameters * batch / hw.sockets + attn) / (hw.flops * hw.efficiency)
-        fits = spill <= hw.ddr_bytes
         step_s = max(mem_s, comp_s)
         return {
             "batch": batch,

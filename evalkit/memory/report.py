@@ -1,0 +1,195 @@
+"""The report's tables: the context x method x budget sweep, the paper's Table 5 check, and predicted
+versus measured KV bytes for the runs evalkit executed (`<results_dir>/runs/**/metrics.json`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from evalkit.memory.model import MemoryReportError, kv_geometry, load_hf_config, model_spec
+from evalkit.memory.sim import Deployment, GiB, Hardware, canonical_method, kv_entries
+
+log = logging.getLogger(__name__)
+
+# SnapStream (arXiv 2511.03092) Table 5, DeepSeek-R1-0528 on one 16-socket SN40L node, tok/s with x2.4
+# MTP: (context, SnapStream cache, max batch full, max batch SnapStream, tok/s full, tok/s SnapStream).
+PAPER_TABLE5 = [
+    (131072, 32768, 16, 64, 434, 1832),
+    (65536, 16384, 32, 128, 908, 3928),
+    (32768, 8192, 64, 256, 1832, 7903),
+]
+PAPER_MTP = 2.4  # the paper's multi-token-prediction factor, included in its tok/s
+FIXED_SIZE = ("snapstream", "streamingllm")  # caches whose size is the budget, whatever the length
+
+
+def deployment(cfg: dict) -> Deployment:
+    """The Deployment described by a resolved `conf/memory.yaml` (as plain dicts)."""
+    m = cfg["model"]
+    hf_config = load_hf_config(m["hf"]) if m.get("hf") else m.get("hf_config")
+    if not hf_config:
+        raise MemoryReportError(
+            "model: set model.hf (a Hub id or local folder) or model.hf_config (its fields)"
+        )
+    spec = model_spec(
+        m["name"], hf_config, m["weight_dtype"], m["kv_dtype"], m.get("kv_layout"), m.get("num_parameters")
+    )
+    hw = Hardware.from_cfg(cfg["hardware"])
+    par = cfg["parallel"]
+    return Deployment(spec, hw, int(par["tp"]), par["attention"], float(cfg.get("mtp_factor") or 1.0))
+
+
+def kv_reserve_bytes(cfg: dict) -> int | None:
+    gib = cfg.get("kv_reserve_gib")
+    return None if gib is None else round(gib * GiB)
+
+
+def _batch(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MemoryReportError(f"batch must be 'max' or a non-negative integer, got {value!r}")
+    return value
+
+
+def row(dep: Deployment, cfg: dict, context: int, method: str, budget: int | None) -> dict[str, Any]:
+    """One configuration: KV sizes, capacity-limited and reservation-calibrated max batch, placement and
+    throughput at the configured batch ("max" = the capacity-limited max batch), SRAM tile."""
+    decode, method = int(cfg.get("decode_len") or 0), canonical_method(method)
+    entries = kv_entries(method, budget, context, decode)
+    max_batch = dep.max_batch(entries)
+    max_batch_cal = dep.max_batch(entries, kv_reserve_bytes(cfg))
+    batch = max_batch if str(cfg.get("batch", "max")) == "max" else _batch(cfg["batch"])
+    cal = dep.step(max_batch_cal, entries)
+    tile = dep.sram_tile_bytes(entries, cfg.get("tile_tokens"))
+    return {
+        "model": dep.model.name,
+        "hardware": dep.hw.name,
+        "context": context,
+        "decode": decode,
+        "method": method,
+        "budget": None if method == "full" else budget,
+        "kv_entries": entries,
+        "compression_ratio": entries / (context + decode),  # kept / seen
+        "kv_bytes_per_token": dep.model.kv.bytes_per_entry,
+        "kv_bytes_per_seq": dep.model.kv.bytes_per_entry * entries,
+        "kv_bytes_per_seq_socket": dep.kv_bytes_socket(entries),
+        "weight_bytes_socket": dep.weight_bytes_socket,
+        "max_batch": max_batch,
+        # Unfloored sequences that fit: the pure memory arithmetic, whose ratios are exact.
+        "max_batch_frac": dep.seq_groups * dep.kv_room_socket / dep.kv_bytes_socket(entries),
+        "max_batch_cal": max_batch_cal,
+        **dep.step(batch, entries),
+        "step_ms_cal": cal["step_ms"],
+        "tok_s_cal": cal["tok_s"],
+        "sram_tile_bytes": tile,
+        "sram_tile_frac": tile / dep.hw.sram_bytes,
+    }
+
+
+def sweep_rows(dep: Deployment, cfg: dict) -> tuple[list[dict], list[str]]:
+    """Rows for every context length x method x budget; a budget above a context is skipped for that
+    context (a grid naturally has such cells) but one above every context is an error."""
+    rows, skipped = [], []
+    for method in cfg["methods"]:
+        budgets = [None] if canonical_method(method) == "full" else list(cfg["budgets"])
+        for budget in budgets:
+            fits = [c for c in cfg["context_lens"] if budget is None or budget <= c]
+            if not fits:
+                raise MemoryReportError(
+                    f"method.budget={budget} exceeds every context_len {cfg['context_lens']}"
+                )
+            skipped += [f"{method} B={budget} at context {c}" for c in cfg["context_lens"] if c not in fits]
+            rows += [row(dep, cfg, int(c), method, budget) for c in fits]
+    rows.sort(key=lambda r: (r["context"], r["method"] != "full", r["method"], r["budget"] or 0))
+    return rows, skipped
+
+
+def paper_check(dep: Deployment, cfg: dict) -> list[dict[str, Any]]:
+    """Table 5 recomputed for this deployment: full vs SnapStream max batch and tok/s, capacity-limited
+    and calibrated, next to the paper's figures."""
+    out = []
+    for context, budget, pb_full, pb_snap, pt_full, pt_snap in PAPER_TABLE5:
+        full, snap = row(dep, cfg, context, "full", None), row(dep, cfg, context, "snapstream", budget)
+        r = {
+            "context": context,
+            "budget": budget,
+            "memory_ratio": full["kv_bytes_per_seq"] / snap["kv_bytes_per_seq"],
+        }
+        for tag, key in (("", "max_batch"), ("_cal", "max_batch_cal")):  # capacity-limited, calibrated
+            b_full, b_snap = full[key], snap[key]
+            t_full = dep.step(b_full, full["kv_entries"])["tok_s"]  # at that max batch, whatever cfg.batch
+            t_snap = dep.step(b_snap, snap["kv_entries"])["tok_s"]
+            r |= {f"batch_full{tag}": b_full, f"batch_snap{tag}": b_snap}
+            r |= {f"tok_s_full{tag}": t_full, f"tok_s_snap{tag}": t_snap}
+            r[f"batch_ratio{tag}"] = b_snap / b_full if b_full else float("nan")
+            r[f"gain{tag}"] = t_snap / t_full if t_full else float("nan")
+        r |= {"paper_batch_full": pb_full, "paper_batch_snap": pb_snap, "paper_tok_s_full": pt_full}
+        r |= {"paper_tok_s_snap": pt_snap, "paper_gain": pt_snap / pt_full}
+        # Bandwidth share the paper's step time implies for the same bytes (full cache, paper batch).
+        step = dep.step(pb_full, full["kv_entries"])
+        moved = step["weights_hbm_bytes"] + step["kv_hbm_bytes"]
+        r["paper_bw_frac"] = moved / (pb_full * PAPER_MTP / pt_full) / dep.hw.hbm_bw
+        out.append(r)
+    return out
+
+
+def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
+    """Predicted KV bytes for each executed run next to the cache's reported peak. Fixed-size caches
+    are predicted from the budget alone; growing ones (full, snapkv) from the run's peak entries, since
+    metrics.json does not carry the prompt and generation lengths."""
+    rows, notes = [], []
+    root = Path(results_dir) / "runs"
+    for path in sorted(root.glob("**/metrics.json")):
+        rel = path.relative_to(root).as_posix()
+        try:
+            m = json.loads(path.read_text())
+            hf_config, dtype, kv = m["model"]["hf_config"], m["model"]["dtype"], m["kv"]
+            method, budget = canonical_method(m["method"]["name"]), m["method"].get("budget")
+            peak_bytes, peak_entries = int(kv["peak_bytes"]), int(kv["peak_entries"])
+            geo = kv_geometry(hf_config, dtype, kv["cache_layout"])
+        except (KeyError, TypeError, ValueError) as e:  # MemoryReportError is a ValueError
+            notes.append(f"{rel}: skipped ({type(e).__name__}: {e})")
+            continue
+        fixed = method in FIXED_SIZE
+        entries = int(budget) if fixed and budget is not None else peak_entries
+        predicted = geo.bytes_per_entry * entries
+        rows.append({
+            "run": rel, "task": m.get("task"), "model": m["model"].get("name"), "method": method,
+            "budget": budget, "cache_layout": geo.layout, "dtype": dtype,
+            "bytes_per_entry": geo.bytes_per_entry, "entries_from": "budget" if fixed else "run",
+            "predicted_entries": entries, "measured_entries": peak_entries,
+            "predicted_bytes": predicted, "measured_bytes": peak_bytes,
+            "match": predicted == peak_bytes and entries == peak_entries,
+        })  # fmt: skip
+    if not any(root.glob("**/metrics.json")):
+        notes.append(f"no runs under {root} yet")
+    return rows, notes
+
+
+def write_report(cfg: dict) -> dict[str, Path]:
+    """Compute everything and write report.csv, report.md and the plots under `<results_dir>/memory/`."""
+    from evalkit.memory.render import render_markdown, write_plots  # matplotlib only when writing
+
+    dep = deployment(cfg)
+    rows, skipped = sweep_rows(dep, cfg)
+    paper = paper_check(dep, cfg) if cfg.get("paper_check", True) else []
+    measured, notes = measured_rows(cfg["results_dir"])
+    out = Path(cfg["results_dir"]) / "memory"
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": out / "report.csv", "md": out / "report.md"}
+    frame = pd.DataFrame(rows).astype({"budget": "Int64"})  # full has no budget: keep the column integral
+    frame.to_csv(paths["csv"], index=False)
+    paths |= write_plots(rows, out)
+    tables = {"rows": rows, "skipped": skipped, "paper": paper, "measured": measured, "notes": notes}
+    paths["md"].write_text(render_markdown(dep, cfg, tables, paths))
+    for r in paper:
+        log.info(
+            "Table 5 @%dk: batch %d->%d (calibrated), %d->%d (capacity); gain %.2fx (paper %.2fx)",
+            r["context"] // 1024, r["batch_full_cal"], r["batch_snap_cal"], r["batch_full"], r["batch_snap"],
+            r["gain_cal"], r["paper_gain"],
+        )  # fmt: skip
+    if any(not r["match"] for r in measured):
+        log.warning("predicted and measured KV bytes disagree for some runs: see %s", paths["md"])
+    return paths

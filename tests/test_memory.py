@@ -1,0 +1,330 @@
+"""The simulated memory report (evalkit.memory): formulas, the paper's Table 5, measured runs, bad input,
+and the Hydra entry point. CPU only, a few seconds."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from evalkit.memory import (
+    Deployment,
+    Hardware,
+    MemoryReportError,
+    count_parameters,
+    kv_entries,
+    kv_geometry,
+    measured_rows,
+    model_spec,
+    paper_check,
+    sweep_rows,
+    write_report,
+)
+from evalkit.memory.report import deployment, row
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The fields the formulas read, from each model's config.json.
+LLAMA31_8B = dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
+                  head_dim=128, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)  # fmt: skip
+QWEN3_8B = dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                hidden_size=4096, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False)  # fmt: skip
+DEEPSEEK_R1 = dict(num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
+                   kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                   n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, moe_intermediate_size=2048,
+                   intermediate_size=18432, first_k_dense_replace=3, vocab_size=129280,
+                   tie_word_embeddings=False)  # fmt: skip
+# The embedded model, SmolLM2-135M-Instruct (Llama architecture).
+SMOLLM2 = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_size=576,
+               intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)  # fmt: skip
+
+
+def compose_cfg(*overrides: str) -> dict:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return OmegaConf.to_container(compose("memory", overrides=list(overrides)), resolve=True)
+
+
+# --- formulas -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [(LLAMA31_8B, 131_072), (QWEN3_8B, 147_456), (DEEPSEEK_R1, 70_272)],
+    ids=["llama-3.1-8b", "qwen3-8b", "deepseek-r1"],
+)
+def test_kv_bytes_per_token_bf16(config, expected):
+    assert kv_geometry(config, "bfloat16").bytes_per_entry == expected
+
+
+def test_pretrained_config_objects_are_read_like_dicts():
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    assert kv_geometry(LlamaConfig(**LLAMA31_8B), "bf16").bytes_per_entry == 131_072
+    # DeepseekV3Config also sets head_dim = 64 and num_key_value_heads = 128: MLA must win over GQA.
+    assert kv_geometry(DeepseekV3Config(**DEEPSEEK_R1), "bf16").bytes_per_entry == 70_272
+
+
+def test_mla_expanded_per_head_and_dtypes():
+    # layers x heads x (qk_nope + qk_rope + v_head_dim) x bytes
+    assert kv_geometry(DEEPSEEK_R1, "bf16", "per_head").bytes_per_entry == 61 * 128 * (128 + 64 + 128) * 2
+    assert kv_geometry(DEEPSEEK_R1, "fp8").bytes_per_entry == 70_272 // 2
+    assert kv_geometry(SMOLLM2, "torch.float32").bytes_per_entry == 2 * 30 * 3 * 64 * 4
+
+
+@pytest.mark.parametrize(
+    "config, expected, rel",
+    [(LLAMA31_8B, 8_030_261_248, 0), (SMOLLM2, 134_515_008, 0), (DEEPSEEK_R1, 671e9, 1e-3)],
+    ids=["llama-3.1-8b", "smollm2", "deepseek-r1"],
+)
+def test_parameter_count_from_config(config, expected, rel):
+    assert count_parameters(config)[0] == pytest.approx(expected, rel=rel)
+
+
+def test_deepseek_weights_fp8_and_active_parameters():
+    spec = model_spec("r1", DEEPSEEK_R1, "fp8", "bf16", num_parameters=671e9)
+    assert spec.weight_bytes / 2**30 == pytest.approx(625, abs=0.1)  # the spec's "fp8 ~ 625 GiB"
+    assert spec.active_parameters / 1e9 == pytest.approx(37, abs=1)
+
+
+@pytest.mark.parametrize(
+    "method, budget, expected",
+    [("full", None, 1000 + 50), ("none", None, 1050), ("snapstream", 256, 256), ("streaming_llm", 256, 256),
+     ("streamingllm", 1000, 1000), ("snapkv", 256, 256 + 50)],
+)  # fmt: skip
+def test_kv_entries_per_method(method, budget, expected):
+    assert kv_entries(method, budget, context=1000, decode=50) == expected
+
+
+# --- the paper's Table 5 --------------------------------------------------------------------------
+
+
+def test_table5_max_batch_and_throughput(tmp_path):
+    cfg = compose_cfg(f"results_dir={tmp_path}")
+    rows = paper_check(deployment(cfg), cfg)
+    assert [r["context"] for r in rows] == [131072, 65536, 32768]
+    for r in rows:
+        # Memory arithmetic alone: a 4x smaller cache, exactly 4x the sequences.
+        assert r["memory_ratio"] == 4
+        # With the stated 9 GiB/socket KV reservation: the paper's absolute column, hence 4x.
+        assert (r["batch_full_cal"], r["batch_snap_cal"]) == (r["paper_batch_full"], r["paper_batch_snap"])
+        assert r["batch_ratio_cal"] == 4
+        # Throughput gain within 15% of the paper's 4.2-4.3x.
+        assert r["gain_cal"] == pytest.approx(r["paper_gain"], rel=0.15)
+    # Capacity-limited: ~25 GiB free per socket holds two full 128k sequences, not one.
+    assert [(r["batch_full"], r["batch_snap"]) for r in rows] == [(32, 176), (80, 368), (176, 736)]
+
+
+def test_unfloored_capacity_ratio_is_exactly_the_compression(tmp_path):
+    cfg = compose_cfg(f"results_dir={tmp_path}")
+    dep = deployment(cfg)
+    for context in (131072, 65536, 32768):
+        full, snap = row(dep, cfg, context, "full", None), row(dep, cfg, context, "snapstream", context // 4)
+        assert snap["max_batch_frac"] / full["max_batch_frac"] == pytest.approx(4)
+
+
+def test_hot_chips_profile_keeps_the_batches_and_slows_the_step(tmp_path):
+    base = paper_check(deployment(cfg := compose_cfg(f"results_dir={tmp_path}")), cfg)
+    hc = compose_cfg(f"results_dir={tmp_path}", "hardware=sn40l_hc24")
+    assert hc["hardware"]["sram_mib"] == 520  # inherited from sn40l
+    for a, b in zip(base, paper_check(deployment(hc), hc)):
+        assert (a["batch_full_cal"], a["batch_snap_cal"]) == (b["batch_full_cal"], b["batch_snap_cal"])
+        assert b["tok_s_full_cal"] == pytest.approx(a["tok_s_full_cal"] * 1.6 / 1.8)
+
+
+# --- placement ------------------------------------------------------------------------------------
+
+
+def test_bf16_deepseek_weights_spill_to_ddr(tmp_path):
+    cfg = compose_cfg(f"results_dir={tmp_path}", "model.weight_dtype=bf16", "batch=16")
+    r = row(deployment(cfg), cfg, 32768, "snapstream", 8192)
+    assert r["max_batch"] == 0 and r["weights_ddr_bytes"] > 0 and r["hbm_free_bytes"] == 0
+    assert r["fits"] and r["kv_hbm_bytes"] == 0  # weights keep HBM; the KV goes to DDR
+
+
+def test_kv_over_hbm_spills_on_sn40l_and_does_not_fit_on_a_gpu(tmp_path):
+    cfg = compose_cfg(f"results_dir={tmp_path}", "batch=64")  # 4 full 128k sequences per socket
+    r = row(deployment(cfg), cfg, 131072, "full", None)
+    assert r["kv_ddr_bytes"] > 0 and r["fits"] and r["step_ms"] > r["step_ms_cal"]
+    gpu = compose_cfg(f"results_dir={tmp_path}", "hardware=h200", "batch=100000")
+    r = row(deployment(gpu), gpu, 131072, "full", None)
+    assert not r["fits"] and r["tok_s"] == 0 and r["weights_ddr_bytes"] == 0
+
+
+def test_tp_kv_heads_shards_one_sequence(tmp_path):
+    cfg = compose_cfg(f"results_dir={tmp_path}", "hardware=h200", "model.kv_layout=per_head",
+                      "parallel.attention=tp_kv_heads")  # fmt: skip
+    r = row(deployment(cfg), cfg, 32768, "full", None)
+    assert r["kv_bytes_per_seq_socket"] * 8 == r["kv_bytes_per_seq"]
+
+
+# --- measured runs --------------------------------------------------------------------------------
+
+
+SMOL_BYTES_PER_ENTRY = 2 * 30 * 3 * 64 * 4  # 2 (K, V) x layers x KV heads x head_dim x fp32
+
+
+def write_run(root: Path, run: str, method: str, budget, entries: int, peak_bytes: int, **model) -> None:
+    """A metrics.json with the fields the runner promises; `model` overrides the SmolLM2 defaults."""
+    model = {"name": run.split("/")[0], "dtype": "float32", "hf_config": SMOLLM2} | model
+    layout = "latent" if "kv_lora_rank" in model["hf_config"] else "per_head"
+    kv = {"peak_bytes": peak_bytes, "peak_entries": entries, "cache_layout": layout}
+    path = root / "runs" / "ruler" / run / "metrics.json"
+    path.parent.mkdir(parents=True)
+    method_ = {"name": method, "budget": budget, "sink": 4}
+    path.write_text(json.dumps({"task": "ruler", "model": model, "method": method_, "kv": kv}))
+
+
+def test_predicted_matches_measured_for_synthetic_runs(tmp_path):
+    from transformers import LlamaConfig
+
+    smol = LlamaConfig(**SMOLLM2).to_dict()  # the shape the runner writes: config.to_dict()
+    runs = [("none", None, 1536), ("snapstream", 256, 256), ("streaming_llm", 128, 128),
+            ("snapkv", 256, 256 + 64), ("snapstream", 1024, 1024)]  # fmt: skip
+    for method, budget, entries in runs:
+        peak = SMOL_BYTES_PER_ENTRY * entries
+        write_run(tmp_path, f"smollm2_135m/{method}/{budget}", method, budget, entries, peak, hf_config=smol)
+    # transformers' DeepSeek-V3 cache: latent keys 512 wide, values (RoPE) 64 wide, one head.
+    tiny_ds = DEEPSEEK_R1 | {"num_hidden_layers": 2}
+    write_run(
+        tmp_path,
+        "tiny_ds/snapstream/128",
+        "snapstream",
+        128,
+        128,
+        2 * (512 + 64) * 4 * 128,
+        hf_config=tiny_ds,
+    )
+    old = tmp_path / "runs" / "old" / "metrics.json"  # an older run without the kv block
+    old.parent.mkdir(parents=True)
+    old.write_text(json.dumps({"task": "ruler", "model": {"name": "x"}, "method": {"name": "none"}}))
+
+    rows, notes = measured_rows(tmp_path)
+    assert len(rows) == 6 and all(r["match"] for r in rows)
+    assert {r["bytes_per_entry"] for r in rows if r["model"] == "smollm2_135m"} == {SMOL_BYTES_PER_ENTRY}
+    assert len(notes) == 1 and "old/metrics.json" in notes[0] and "KeyError" in notes[0]
+
+
+def test_measured_mismatch_is_flagged(tmp_path):
+    write_run(
+        tmp_path, "smollm2_135m/snapstream/256", "snapstream", 256, 256, SMOL_BYTES_PER_ENTRY * 256 // 2
+    )
+    (r,), _ = measured_rows(tmp_path)
+    assert not r["match"] and r["predicted_bytes"] == 2 * r["measured_bytes"]
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({k: v for k, v in LLAMA31_8B.items() if k != "num_hidden_layers"}, "num_hidden_layers"),
+        ({k: v for k, v in LLAMA31_8B.items() if k not in ("head_dim", "hidden_size")}, "hidden_size"),
+        ({k: v for k, v in DEEPSEEK_R1.items() if k != "qk_rope_head_dim"}, "qk_rope_head_dim"),
+        (LLAMA31_8B | {"num_key_value_heads": None}, "num_key_value_heads"),
+    ],
+)
+def test_missing_config_field_is_named(config, field):
+    with pytest.raises(MemoryReportError, match=field):
+        kv_geometry(config, "bf16")
+
+
+def test_missing_weight_fields_suggest_the_override():
+    config = {k: v for k, v in LLAMA31_8B.items() if k != "vocab_size"}
+    with pytest.raises(MemoryReportError, match="vocab_size.*num_parameters"):
+        model_spec("m", config, "bf16", "bf16")
+    assert model_spec("m", config, "bf16", "bf16", num_parameters=8e9).weight_bytes == 16e9
+
+
+def test_budget_above_context_is_rejected():
+    with pytest.raises(MemoryReportError, match="method.budget=4096 exceeds context_len=2048"):
+        kv_entries("snapstream", 4096, context=2048)
+
+
+def test_budget_above_every_context_in_a_sweep_is_rejected(tmp_path):
+    cfg = compose_cfg(f"results_dir={tmp_path}", "context_lens=[2048]", "budgets=[1024,4096]")
+    with pytest.raises(MemoryReportError, match="method.budget=4096"):
+        sweep_rows(deployment(cfg), cfg)
+
+
+@pytest.mark.parametrize("batch", ["lots", -1, 2.5])
+def test_bad_batch_is_named(tmp_path, batch):
+    cfg = compose_cfg(f"results_dir={tmp_path}") | {"batch": batch}
+    with pytest.raises(MemoryReportError, match="batch must be"):
+        row(deployment(cfg), cfg, 32768, "full", None)
+
+
+def _hw(sockets: int) -> Hardware:
+    return Hardware("test", sockets, 2**20, 2**36, 0, 1e12, 0.0, 1e15, 0.75)
+
+
+@pytest.mark.parametrize(
+    "config, sockets, tp, attention, field",
+    [
+        (LLAMA31_8B, 6, 3, "dp_attention", "num_attention_heads"),
+        (LLAMA31_8B, 16, 16, "tp_kv_heads", "num_key_value_heads"),
+        (DEEPSEEK_R1, 16, 16, "tp_kv_heads", "kv_lora_rank"),
+        (LLAMA31_8B, 16, 3, "dp_attention", "hardware.sockets"),
+        (LLAMA31_8B, 8, 8, "ring", "parallel.attention"),
+    ],
+)
+def test_bad_parallel_degree_is_named(config, sockets, tp, attention, field):
+    with pytest.raises(MemoryReportError, match=field):
+        Deployment(model_spec("m", config, "bf16", "bf16"), _hw(sockets), tp, attention)
+
+
+# --- entry point ----------------------------------------------------------------------------------
+
+
+def run_cli(*overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "evalkit.memory", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_entry_point_writes_csv_md_and_plots(tmp_path):
+    write_run(tmp_path, "smollm2_135m/snapstream/256", "snapstream", 256, 256, SMOL_BYTES_PER_ENTRY * 256)
+    proc = run_cli(f"results_dir={tmp_path}", "context_lens=[32768,131072]", "budgets=[8192,32768]")
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "memory"
+    assert (out / ".hydra" / "config.yaml").exists()
+    csv = (out / "report.csv").read_text().splitlines()
+    assert len(csv) == 1 + 2 * 3  # header + per context: full, B=8192, B=32768
+    md = (out / "report.md").read_text()
+    for section in ("## Setup", "## Paper check", "## Measured runs", "## Assumptions", "16->64", "9 GiB"):
+        assert section in md
+    assert "smollm2_135m/snapstream/256" in md and "**NO**" not in md
+    for png in ("kv_vs_context.png", "batch_tok_s_vs_budget.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_in_process_report_for_a_local_hf_config_on_h200(tmp_path):
+    from transformers import Qwen3Config
+
+    Qwen3Config(**QWEN3_8B).save_pretrained(tmp_path / "qwen3_8b")  # a local folder, as model.hf accepts
+    overrides = ["hardware=h200", f"model.hf={tmp_path / 'qwen3_8b'}", "model.name=qwen3_8b",
+                 "model.num_parameters=null", "model.weight_dtype=bf16", "mtp_factor=1", "paper_check=false",
+                 "context_lens=[32768]", "budgets=[4096]", "methods=[full,snapstream,snapkv,streamingllm]",
+                 "decode_len=1024"]  # fmt: skip
+    cfg = compose_cfg(f"results_dir={tmp_path}", *overrides)
+    paths = write_report(cfg)
+    assert {p.name for p in paths.values()} >= {"report.csv", "report.md", "kv_vs_context.png"}
+    assert "qwen3_8b on 8 x h200" in paths["md"].read_text()
+    dep = deployment(cfg)
+    assert dep.model.num_parameters == 8_190_726_144  # counted: Qwen3-8B less its 9,216 q/k-norm weights
+    by = {r["method"]: r for r in sweep_rows(dep, cfg)[0]}
+    assert by["snapkv"]["kv_entries"] == 4096 + 1024 and by["snapstream"]["kv_entries"] == 4096
+    assert by["full"]["kv_bytes_per_seq"] == 147_456 * (32768 + 1024)
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [("parallel.tp=3", "parallel.tp=3"), ("budgets=[262144]", "method.budget=262144"),
+     ("~model.hf_config.num_hidden_layers", "num_hidden_layers")],
+)  # fmt: skip
+def test_entry_point_bad_input_exits_2_without_traceback(tmp_path, override, field):
+    proc = run_cli(f"results_dir={tmp_path}", override)
+    assert proc.returncode == 2
+    assert field in proc.stderr and "Traceback" not in proc.stderr
