@@ -1,0 +1,213 @@
+"""LongBench-v2 (Bai et al., 2024, https://arxiv.org/abs/2412.15204): 503 long-context A-D questions.
+
+Dataset `THUDM/LongBench-v2` (now also `zai-org/LongBench-v2`), file `data.json`, its only split (`train`),
+pinned at `REVISION`. Protocol from THUDM/LongBench@2e00731: prompts `prompts/0shot.txt`, `0shot_cot.txt`,
+`0shot_cot_ans.txt`; middle truncation, generation settings and `extract_answer` from `pred.py`; the
+easy/hard/short/medium/long table and the 0.25 "compensated" credit from `result.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import replace
+from pathlib import Path
+
+from evalkit.sample import Sample, Skipped
+from evalkit.task import Loaded, lm_eval_hooks, sha256_bytes
+
+TASK = "longbench_v2"
+REPO = "THUDM/LongBench-v2"
+# Not checked against the hub from here (unreachable): this revision and the sha256/size of its data.json
+# (465,490,535 bytes) agree across several independent public pins of THUDM/ and zai-org/LongBench-v2.
+REVISION = "2b48e494f2c7a2f0af81aae178e05c7e1dde0fe9"
+DATA_SHA256 = "15d61c22d92c96900b3c4948b6aeea218d3214b676a65df48e7b8555604c7fe2"
+SAMPLE = Path(__file__).parent / "data" / "sample.json"
+FIELDS = ("_id", "domain", "sub_domain", "difficulty", "length", "question")
+FIELDS += tuple(f"choice_{c}" for c in "ABCD") + ("answer", "context")
+MAX_LEN = 120000  # config/model2maxlen.json: every 128k open model
+ANSWER_TOKENS, COT_TOKENS = 128, 1024  # pred.py max_tokens: the answer call, the CoT reasoning call
+
+# Byte-exact copies of the upstream files (none ends with a newline; the apostrophe is U+2019).
+PROMPT_0SHOT = """\
+Please read the following text and answer the question below.
+
+<text>
+$DOC$
+</text>
+
+What is the correct answer to this question: $Q$
+Choices:
+(A) $C_A$
+(B) $C_B$
+(C) $C_C$
+(D) $C_D$
+
+Format your response as follows: "The correct answer is (insert answer here)"."""
+
+PROMPT_COT = """\
+Please read the following text and answer the questions below.
+
+<text>
+$DOC$
+</text>
+
+What is the correct answer to this question: $Q$
+Choices:
+(A) $C_A$
+(B) $C_B$
+(C) $C_C$
+(D) $C_D$
+
+Let\u2019s think step by step:"""
+
+PROMPT_COT_ANS = """\
+Please read the following text and answer the questions below.
+
+The text is too long and omitted here.
+
+What is the correct answer to this question: $Q$
+Choices:
+(A) $C_A$
+(B) $C_B$
+(C) $C_C$
+(D) $C_D$
+
+Let\u2019s think step by step: $COT$
+
+Based on the above, what is the single, most likely answer choice? \
+Format your response as follows: "The correct answer is (insert answer here)"."""
+
+PROMPTS = {"0shot": PROMPT_0SHOT, "cot": PROMPT_COT}
+
+
+def fill(template: str, row: dict, cot: str | None = None) -> str:
+    """pred.py's replace chain in its order, so a placeholder that occurs inside the document is replaced too."""
+    out = template.replace("$DOC$", row["context"].strip()).replace("$Q$", row["question"].strip())
+    for c in "ABCD":
+        out = out.replace(f"$C_{c}$", row[f"choice_{c}"].strip())
+    return out if cot is None else out.replace("$COT$", cot)
+
+
+def truncate_middle(prompt: str, tokenizer, max_len: int) -> tuple[str, bool]:
+    """Keep the first and last max_len/2 tokens of the whole prompt (question and choices sit at the end)."""
+    ids = tokenizer.encode(prompt)  # HF default adds special tokens (BOS), as pred.py
+    if len(ids) <= max_len:
+        return prompt, False  # upstream leaves an untruncated prompt as the original string
+    # `-max_len // 2` is `(-max_len) // 2`: for odd max_len the tail keeps one token more, as upstream.
+    ids = ids[: max_len // 2] + ids[-max_len // 2 :]
+    return tokenizer.decode(ids, skip_special_tokens=True), True
+
+
+def extract_answer(response: str) -> str | None:
+    """pred.py: drop `*`, then the first (case-sensitive) "The correct answer is (X)", else "... is X"."""
+    response = response.replace("*", "")
+    match = re.search(r"The correct answer is \(([A-D])\)", response)
+    match = match or re.search(r"The correct answer is ([A-D])", response)
+    return match.group(1) if match else None
+
+
+def _problem(row) -> str | None:
+    if not isinstance(row, dict):
+        return "row is not a JSON object"
+    bad = [f for f in FIELDS if not isinstance(row.get(f), str)]
+    if bad:
+        return f"missing or non-string field(s): {', '.join(bad)}"
+    return None if row["answer"] in ("A", "B", "C", "D") else f"answer {row['answer']!r} is not one of A-D"
+
+
+def _read(source: str) -> tuple[list, str, str]:
+    if source == "sample":
+        path, tag = SAMPLE, "sample"
+    elif source == "hub":
+        from huggingface_hub import hf_hub_download  # plain file download: no dataset loader script runs
+
+        path = Path(hf_hub_download(REPO, "data.json", repo_type="dataset", revision=REVISION))
+        tag = f"hub:{REPO}@{REVISION}"
+    else:
+        path = Path(source).resolve()
+        tag = f"local:{path}"
+    raw = path.read_bytes()
+    digest = sha256_bytes(raw)
+    if source == "hub" and digest != DATA_SHA256:
+        raise ValueError(f"{path}: sha256 {digest} is not the pinned data.json's {DATA_SHA256}")
+    text = raw.decode("utf-8")  # data.json is one JSON array; a JSON-lines dump is accepted too
+    rows = (
+        json.loads(text)
+        if text.lstrip().startswith("[")
+        else [json.loads(x) for x in text.splitlines() if x.strip()]
+    )
+    return rows, tag, digest
+
+
+def _sample(row: dict, mode: str, tokenizer, max_len: int) -> Sample:
+    prompt, truncated = fill(PROMPTS[mode], row), False
+    if tokenizer is not None:
+        prompt, truncated = truncate_middle(prompt, tokenizer, max_len)
+    # result.py buckets: anything not "easy" is hard, anything not short/medium is long.
+    difficulty = "easy" if row["difficulty"] == "easy" else "hard"
+    length = row["length"] if row["length"] in ("short", "medium") else "long"
+    meta = {k: row[k] for k in ("domain", "sub_domain", "difficulty", "length", "question")}
+    meta |= {"choices": [row[f"choice_{c}"] for c in "ABCD"], "mode": mode, "truncated": truncated}
+    n_new = COT_TOKENS if mode == "cot" else ANSWER_TOKENS
+    return Sample(
+        row["_id"], TASK, prompt, [row["answer"]], n_new, subset=f"{difficulty}|{length}", meta=meta
+    )
+
+
+def load(source="sample", n=None, seed=0, tokenizer=None, max_len=MAX_LEN, mode="0shot", **_) -> Loaded:
+    """LongBench-v2 samples. The runner passes the evaluated model's tokenizer and
+    max_len = min(120000, model context - generation tokens); without a tokenizer nothing is truncated
+    (stats["max_len"] is then None). With n, a seeded random subset is kept in file order."""
+    if mode not in PROMPTS:
+        raise ValueError(f"mode must be one of {sorted(PROMPTS)}, got {mode!r}")
+    rows, tag, digest = _read(source)
+    valid, skipped, seen = [], [], set()
+    for i, row in enumerate(rows):
+        rid = row.get("_id") if isinstance(row, dict) and isinstance(row.get("_id"), str) else f"row {i}"
+        reason = _problem(row) or ("duplicate _id" if rid in seen else None)
+        if reason:
+            skipped.append(Skipped(rid, reason))
+            continue
+        seen.add(rid)
+        valid.append(row)
+    if n is not None and n < len(valid):
+        keep = sorted(random.Random(seed).sample(range(len(valid)), n))
+        valid = [valid[i] for i in keep]
+    samples = [_sample(row, mode, tokenizer, max_len) for row in valid]  # tokenise only what is kept
+    stats = {"truncated": sum(s.meta["truncated"] for s in samples), "mode": mode}
+    stats["max_len"] = max_len if tokenizer is not None else None
+    return Loaded(samples, tag, digest, skipped, stats)
+
+
+def cot_followup(sample: Sample, first_output: str) -> Sample:
+    """The CoT answer call: `0shot_cot_ans.txt` (no document) with $COT$ = the stripped first output.
+    Its prompt is a few thousand tokens at most, so upstream's truncation never applies to it."""
+    row = {"context": "", "question": sample.meta["question"]}
+    row |= {f"choice_{c}": x for c, x in zip("ABCD", sample.meta["choices"], strict=True)}
+    cot = first_output.strip()
+    prompt = fill(PROMPT_COT_ANS, row, cot=cot)
+    return replace(sample, prompt=prompt, max_new_tokens=ANSWER_TOKENS, meta={**sample.meta, "cot": cot})
+
+
+def score(predictions: list[str], sample: Sample) -> dict[str, float]:
+    """Percent correct over the k predictions, under the overall key and the sample's two buckets.
+    `compensated` gives 25 for an unanswered prediction (result.py's compensated=True, paper Table 5)."""
+    if not predictions:
+        raise ValueError(f"{sample.id}: no predictions to score")
+    preds = [extract_answer(p) for p in predictions]
+    k = len(preds)
+    acc = 100 * sum(p == sample.answers[0] for p in preds) / k
+    no_answer = 100 * sum(p is None for p in preds) / k
+    difficulty, length = sample.subset.split("|")
+    return {
+        "accuracy": acc,
+        f"accuracy/{difficulty}": acc,
+        f"accuracy/{length}": acc,
+        "compensated": acc + no_answer / 4,
+        "no_answer": no_answer,
+    }
+
+
+custom_dataset, process_results = lm_eval_hooks(TASK, load, score)
