@@ -1,0 +1,55 @@
+"""Generated RULER samples frozen to JSONL, so a (task, length) is generated once per tokenizer and reused.
+
+The file name carries the key: task, length, seed, generator version, a fingerprint of the tokenizer (its
+vocabulary, merges, added tokens and chat template) and of the files the task read. Sample i does not
+depend on n, so a file with at least n rows serves any smaller n.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+from evalkit.sample import Sample
+from tasks.ruler.generate import GENERATOR_VERSION
+
+CACHE_ENV = "EVALKIT_CACHE"
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """`<cache_dir or $EVALKIT_CACHE or ~/.cache/evalkit>/ruler`."""
+    return Path(cache_dir or os.environ.get(CACHE_ENV) or "~/.cache/evalkit").expanduser() / "ruler"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of everything that changes token counts or the rendered prompt."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    template = json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True)
+    return hashlib.sha256(f"{type(tokenizer).__name__}\0{body}\0{template}".encode()).hexdigest()
+
+
+def frozen_path(root: Path, task: str, length: int, seed: int, tokenizer, files: dict[str, str]) -> Path:
+    name = re.sub(r"[^\w.-]+", "_", str(getattr(tokenizer, "name_or_path", "") or "tokenizer"))[-40:]
+    key = {"tokenizer": tokenizer_fingerprint(tokenizer), "files": files, "version": GENERATOR_VERSION}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return root / f"{task}-{length}-seed{seed}-{GENERATOR_VERSION}-{name}-{digest}.jsonl"
+
+
+def read(path: Path, n: int) -> list[Sample] | None:
+    """The first n frozen samples, or None when the file is missing or holds fewer."""
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+    return [Sample(**r) for r in rows[:n]] if len(rows) >= n else None
+
+
+def write(path: Path, samples: list[Sample]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")  # rename is atomic: a reader never sees half a file
+    tmp.write_text("".join(json.dumps(asdict(s), ensure_ascii=False) + "\n" for s in samples))
+    tmp.replace(path)

@@ -1,0 +1,111 @@
+"""RULER: What's the Real Context Size of Your Long-Context Language Models? (Hsieh et al., 2024,
+arXiv 2404.06654; code NVIDIA/RULER). 13 synthetic tasks (8 needle-in-a-haystack variants, variable tracking,
+common and frequent words extraction, SQuAD v2 dev and HotpotQA dev-distractor QA) at chosen lengths.
+
+Data: generated here by `tasks/ruler/generate.py` with upstream's templates, answer prefixes, seeds and length
+rule (prompt tokens + tokens to generate <= length, counted with the evaluated model's tokenizer on the
+chat-rendered prompt), then frozen to JSONL (`tasks/ruler/frozen.py`). The essay and QA tasks read local
+files in upstream's format (`essay_path`, `squad_path`, `hotpotqa_path`, or `$EVALKIT_RULER_DATA`); the
+default task list needs none. Scoring: upstream's `string_match_all` / `string_match_part`, in percent.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict
+
+from evalkit.sample import Sample
+from evalkit.task import Loaded, lm_eval_hooks, sha256_rows
+from tasks.ruler import frozen, generate
+from tasks.ruler.constants import NO_DATA_TASKS, TASKS
+from tasks.ruler.data import RulerData, resolve
+
+DEFAULT_N = 500  # upstream NUM_SAMPLES per task and length
+
+
+def task_list(tasks) -> list[str]:
+    """Task names from a list or a comma-separated string; "all" and "no_data" (the tasks that need no
+    external file) expand in place."""
+    groups = {"all": list(TASKS), "no_data": list(NO_DATA_TASKS)}
+    items = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else list(tasks)
+    names = list(dict.fromkeys(name for t in items for name in groups.get(t, [t])))
+    unknown = [t for t in names if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown RULER task(s) {unknown}; known: {list(TASKS)} or all, no_data")
+    return names
+
+
+def load(
+    source: str = "generate",
+    n: int | None = None,
+    seed: int = 42,
+    tokenizer=None,
+    lengths=(1024, 2048),
+    tasks="no_data",
+    essay_path: str | None = None,
+    squad_path: str | None = None,
+    hotpotqa_path: str | None = None,
+    english_words_path: str | None = None,
+    cache_dir: str | None = None,
+    **_,
+) -> Loaded:
+    """Generate (or reuse the frozen) `n` samples per task and length; ordered by length, then task."""
+    if source != "generate":
+        raise ValueError(f"RULER is generated: source must be 'generate', got {source!r}")
+    if tokenizer is None:
+        raise ValueError("RULER counts tokens with the evaluated model's tokenizer: pass tokenizer=...")
+    names, n = task_list(tasks), DEFAULT_N if n is None else n
+    needed = {kind for t in names for kind in TASKS[t].data}
+    paths = {"essay": essay_path, "squad": squad_path, "hotpotqa": hotpotqa_path}
+    data = RulerData({k: resolve(k, p) if k in needed else None for k, p in paths.items()})
+    data.paths["english_words"] = resolve("english_words", english_words_path, english_words_path is not None)
+    root, samples, reused = frozen.cache_root(cache_dir), [], 0
+    used: dict[str, str] = {}
+    lengths = [int(x) for x in lengths]
+    for length in lengths:
+        for task in names:
+            kinds = TASKS[task].data + (("english_words",) if task == "cwe" else ())
+            files = data.fingerprint(kinds)
+            used.update(files)
+            path = frozen.frozen_path(root, task, length, seed, tokenizer, files)
+            got = frozen.read(path, n)
+            reused += got is not None
+            if got is None:
+                got = generate.generate_task(task, length, n, seed, tokenizer, data)
+                frozen.write(path, got)
+            samples += got
+    src = f"generated:ruler@{generate.GENERATOR_VERSION}" + "".join(
+        f";{k}={v}" for k, v in sorted(used.items())
+    )
+    stats = {"frozen_reused": reused, "frozen_dir": str(root), "tasks": names, "lengths": lengths}
+    return Loaded(samples, src, sha256_rows([asdict(s) for s in samples]), stats=stats)
+
+
+# --- scoring (upstream scripts/eval/evaluate.py postprocess + scripts/eval/synthetic/constants.py)
+def postprocess(prediction: str) -> str:
+    """Upstream: strip, control characters to newlines, strip again."""
+    return re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
+
+
+def string_match_all(prediction: str, references: list[str]) -> float:
+    """Fraction of references found in the prediction (case-insensitive substring)."""
+    return sum(r.lower() in prediction.lower() for r in references) / len(references)
+
+
+def string_match_part(prediction: str, references: list[str]) -> float:
+    """1.0 if any reference is found in the prediction (case-insensitive substring)."""
+    return float(max(r.lower() in prediction.lower() for r in references))
+
+
+METRICS = {"all": string_match_all, "part": string_match_part}
+
+
+def score(predictions: list[str], sample: Sample) -> dict[str, float]:
+    """Percent, averaged over the k predictions (each the continuation after the answer prefix)."""
+    metric = METRICS[sample.meta["metric"]]
+    v = 100 * sum(metric(postprocess(p), sample.answers) for p in predictions) / len(predictions)
+    task, length = sample.meta["task"], sample.meta["length"]
+    return {"score": v, f"score/{task}": v, f"score/{length}": v, f"score/{task}@{length}": v}
+
+
+custom_dataset, process_results = lm_eval_hooks("ruler", load, score)

