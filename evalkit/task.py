@@ -71,14 +71,26 @@ def load_task(name: str, load: Callable[..., Loaded], **kwargs) -> Loaded:
 def lm_eval_hooks(name: str, load: Callable[..., Loaded], score: Callable[[list[str], Sample], dict]):
     """lm-eval's `custom_dataset` and `process_results` for a task module."""
 
+    import evalkit.lm  # noqa: F401  registers lm-eval's "evalkit" model before lm-eval looks it up
+
     def custom_dataset(**metadata):
         from datasets import Dataset
 
-        kwargs = {k: v for k, v in metadata.items() if k != "version"}
+        kwargs = {k: v for k, v in metadata.items() if k not in LM_EVAL_METADATA}
         loaded = load_task(name, load, **kwargs)
         return {"test": Dataset.from_list([s.to_doc() for s in loaded.samples])}
 
-    def process_results(doc: dict, results: list[str]) -> dict[str, float]:
-        return score(list(results), Sample.from_doc(doc))
+    def process_results(doc: dict, results: list) -> dict[str, float]:
+        # with the keep_all filter lm-eval passes [[r_1, ..., r_k]] (all repeats); without it [r_1]
+        predictions = results[0] if len(results) == 1 and isinstance(results[0], list) else results
+        return score(list(predictions), Sample.from_doc(doc))
 
     return custom_dataset, process_results
+
+
+LM_EVAL_METADATA = {"version", "config_source"}  # keys lm-eval adds to a task's metadata
+
+
+def keep_all(resps, docs):
+    """lm-eval filter (`function: custom, filter_fn: ...`): keep every repeat so pass@k / cons@k see all k."""
+    return resps

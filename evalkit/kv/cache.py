@@ -297,45 +297,42 @@ class KVCache(Cache):
 
     # --- reporting ------------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Tokens seen, kept and evicted (summed over batch rows) and bytes held, in total and per layer."""
-        if self.rows is None:
-            return {
-                "seen": 0,
-                "kept": 0,
-                "evicted": 0,
-                "bytes": 0,
-                "reserved_bytes": 0,
-                "slots": 0,
-                "per_layer": [],
-            }
-        seen = sum(self.rows.next_pos)
-        kept = int(self.rows.valid[:, : self.used].sum())
+        """Tokens seen, kept and evicted and bytes held: totals over batch rows, per layer and per row.
+
+        `slots` is the slot count per row, layer and KV head (= budget for ring methods); bytes count those
+        slots (for a static cache, its whole allocation); `reserved_bytes` adds an append cache's spare room.
+        In a batch, a row that finished early keeps receiving pad tokens until the longest row ends.
+        """
+        rows = self.row_stats()
+        total = {k: sum(r[k] for r in rows) for k in ("seen", "kept", "evicted", "evicted_generated", "bytes")}
         per_layer = [
-            {
-                "layer": i,
-                "seen": seen,
-                "kept": kept,
-                "evicted": seen - kept,
-                "bytes": lay.entry_bytes() * self.used,
-            }
+            {**{k: total[k] for k in ("seen", "kept", "evicted")}, "layer": i, "bytes": lay.entry_bytes() * self.used}
             for i, lay in enumerate(self.layers)
+            if lay.keys is not None
         ]
-        pos0, lengths = (
-            self.layers[0].pos[:, 0, : self.used],
-            torch.tensor(self.rows.lengths, device=self.rows.pad.device),
-        )
-        generated = seen - sum(self.rows.lengths)
-        kept_generated = int((pos0 >= lengths[:, None].to(pos0.dtype)).sum())
-        return {
-            "seen": seen,
-            "kept": kept,
-            "evicted": seen - kept,
-            "evicted_generated": generated - kept_generated,
-            "slots": self.used,  # slots per row, layer and head (= budget for ring methods)
-            "bytes": sum(d["bytes"] for d in per_layer),
-            "reserved_bytes": sum(lay.entry_bytes() * lay.keys.shape[2] for lay in self.layers),
-            "per_layer": per_layer,
-        }
+        reserved = sum(lay.entry_bytes() * lay.keys.shape[2] for lay in self.layers if lay.keys is not None)
+        return {**total, "slots": self.used, "reserved_bytes": reserved, "per_layer": per_layer, "rows": rows}
+
+    def row_stats(self) -> list[dict]:
+        if self.rows is None or self.layers[0].keys is None:
+            return []
+        valid = self.rows.valid[:, : self.used]
+        kept = valid.sum(1).tolist()
+        lengths = torch.tensor(self.rows.lengths, dtype=torch.int32, device=valid.device)
+        kept_generated = (self.layers[0].pos[:, 0, : self.used] >= lengths[:, None]).sum(1).tolist()
+        row_bytes = sum(lay.entry_bytes() for lay in self.layers) // len(kept) * self.used
+        out = []
+        for r, (seen, length) in enumerate(zip(self.rows.next_pos, self.rows.lengths)):
+            out.append(
+                {
+                    "seen": seen,
+                    "kept": kept[r],
+                    "evicted": seen - kept[r],
+                    "evicted_generated": seen - length - kept_generated[r],
+                    "bytes": row_bytes,
+                }
+            )
+        return out
 
     def positions(self, layer_idx: int) -> torch.Tensor:
         """(B, H, slots) original position held by each slot of a layer, -1 = empty."""

@@ -32,6 +32,7 @@ class KVMethod:
 
     name: ClassVar[str]
     ring: ClassVar[bool]  # True: fixed-size cache, decode overwrites the oldest tail entry in place
+    budget_applies: ClassVar[bool] = True  # False for `full`: sweeps may list it with budgets, which name one run
 
     def blocks(self) -> tuple[int, int, int]:
         """(sink, tail, top-K) used when a prompt does not fit in the budget."""
@@ -52,6 +53,7 @@ class Full(KVMethod):
     budget: int | None = None  # accepted for a uniform interface; must stay None
     name: ClassVar[str] = "full"
     ring: ClassVar[bool] = False
+    budget_applies: ClassVar[bool] = False
 
     def __post_init__(self):
         if self.budget is not None:

@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from evalkit.sample import Sample, Skipped
-from evalkit.task import Loaded, lm_eval_hooks, sha256_bytes
+from evalkit.task import Loaded, keep_all, lm_eval_hooks, sha256_bytes
 
 TASK = "aime24"
 REPO = "HuggingFaceH4/aime_2024"
@@ -157,3 +157,4 @@ def score(predictions: list[str], sample: Sample) -> dict[str, float]:
 
 
 custom_dataset, process_results = lm_eval_hooks(TASK, load, score)
+__all__ = ["load", "score", "custom_dataset", "process_results", "keep_all"]

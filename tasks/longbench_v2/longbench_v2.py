@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from evalkit.sample import Sample, Skipped
-from evalkit.task import Loaded, lm_eval_hooks, sha256_bytes
+from evalkit.task import Loaded, keep_all, lm_eval_hooks, sha256_bytes
 
 TASK = "longbench_v2"
 REPO = "THUDM/LongBench-v2"
@@ -211,3 +211,4 @@ def score(predictions: list[str], sample: Sample) -> dict[str, float]:
 
 
 custom_dataset, process_results = lm_eval_hooks(TASK, load, score)
+__all__ = ["load", "score", "custom_dataset", "process_results", "keep_all"]

@@ -15,7 +15,7 @@ import re
 from dataclasses import asdict
 
 from evalkit.sample import Sample
-from evalkit.task import Loaded, lm_eval_hooks, sha256_rows
+from evalkit.task import Loaded, keep_all, lm_eval_hooks, sha256_rows
 from tasks.ruler import frozen, generate
 from tasks.ruler.constants import NO_DATA_TASKS, TASKS
 from tasks.ruler.data import RulerData, resolve
@@ -109,3 +109,4 @@ def score(predictions: list[str], sample: Sample) -> dict[str, float]:
 
 
 custom_dataset, process_results = lm_eval_hooks("ruler", load, score)
+__all__ = ["load", "score", "custom_dataset", "process_results", "keep_all"]

@@ -1,0 +1,3 @@
+from evalkit.run import main
+
+main()

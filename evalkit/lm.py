@@ -1,0 +1,260 @@
+"""evalkit's lm-eval model, registered as "evalkit": Hugging Face generation through a compressed KV cache.
+
+`EvalkitLM` subclasses lm-eval's `HFLM` (loglikelihood requests keep HFLM's path, which has no cache) and
+replaces generation: every request gets a fresh `KVCache(method)`. For evalkit task docs it renders the prompt
+itself from the `Sample` fields (chat template, optional system message, assistant prefill = answer prefix)
+and honours the sample's `max_new_tokens`, so `python -m evalkit` and `lm_eval --model evalkit` see identical
+text. With a journal it records each finished generation (resume after a crash) and its KV statistics.
+
+    lm_eval --model evalkit --model_args model=smollm2_135m,method=snapstream,budget=256 \
+            --include_path tasks --tasks ruler --metadata '{"tokenizer": "smollm2_135m"}'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils_hf import stop_sequences_criteria
+from tqdm import tqdm
+from transformers import GenerationConfig
+
+from evalkit.kv import KVCache
+from evalkit.sample import Sample
+
+DOC_FIELDS = {"id", "task", "prompt", "answers", "max_new_tokens"}
+
+
+def render(tokenizer, sample: Sample) -> str:
+    """The exact text the model sees: chat template (system + user turn), then the assistant prefill."""
+    if not tokenizer.chat_template:  # base models: the bare prompt, like RULER's "base" template
+        head = f"{sample.system}\n\n" if sample.system else ""
+        return head + sample.prompt + sample.answer_prefix
+    messages = ([{"role": "system", "content": sample.system}] if sample.system else []) + [
+        {"role": "user", "content": sample.prompt}
+    ]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + sample.answer_prefix
+
+
+def prompt_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def generation_config(gen: dict, max_new_tokens: int, eos: list[int], pad: int) -> GenerationConfig:
+    """Exactly the task's decoding settings: nothing leaks in from the model's own generation_config.
+
+    evalkit choice: top_k is off unless the task sets it (vLLM/OpenAI-style servers, which the upstream
+    protocols used, apply no top-k; Hugging Face's default would be 50).
+    """
+    temperature = float(gen.get("temperature", 0.0) or 0.0)
+    sample = bool(gen.get("do_sample", temperature > 0)) and temperature > 0
+    settings = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, do_sample=sample)
+    if sample:
+        settings.update(temperature=temperature, top_p=float(gen.get("top_p", 1.0)), top_k=int(gen.get("top_k", 0)))
+    return GenerationConfig(**settings)
+
+
+@dataclass
+class Prompt:
+    key: str
+    text: str
+    max_new: int
+    gen: dict  # the request's generation kwargs (until, sampling)
+    sample: Sample | None = None
+    followup: str | None = None  # "module:function" making a second call from the first output (LongBench CoT)
+    stats: dict = field(default_factory=dict)
+
+
+@register_model("evalkit")
+class EvalkitLM(HFLM):
+    """HFLM whose generations run through `evalkit.kv.KVCache(method)`."""
+
+    def __init__(
+        self,
+        model="smollm2_135m",
+        method="full",
+        budget=None,
+        batch_size=1,
+        max_length=None,
+        journal=None,
+        seed: int = 0,
+        hf_model=None,
+        tokenizer=None,
+        **method_settings,
+    ):
+        from evalkit.config import make_method, model_spec
+        from evalkit.models import ModelSpec, context_length, load_model
+
+        spec = model if isinstance(model, ModelSpec) else model_spec(model)
+        if hf_model is None:
+            hf_model, tokenizer = load_model(spec)
+        if isinstance(method, str):
+            method = make_method(method, **({"budget": budget} if budget is not None else {}), **method_settings)
+        self.kv_method, self.spec, self.seed, self.journal = method, spec, seed, journal
+        super().__init__(
+            pretrained=hf_model,
+            tokenizer=tokenizer,
+            batch_size=int(batch_size),
+            max_length=max_length or context_length(hf_model, spec),
+        )
+
+    # --- the hook lm-eval's HFLM calls: a fresh compressed cache per generate call -------------------------
+    def _model_generate(self, context, max_length=None, stop=None, **generation_kwargs):
+        cache = KVCache.for_model(self.kv_method, self.model)
+        if stop:
+            generation_kwargs["stopping_criteria"] = stop_sequences_criteria(
+                self.tokenizer, stop, context.shape[1], context.shape[0]
+            )
+        out = self.model.generate(input_ids=context, cache=cache, **generation_kwargs)
+        self.last_cache_stats = cache.stats()
+        return out
+
+    # --- generation requests ---------------------------------------------------------------------------------
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        results: list[str | None] = [None] * len(requests)
+        todo: list[tuple[int, Prompt]] = []
+        repeat = Counter()
+        for i, req in enumerate(requests):
+            base = f"{req.task_name}/{req.doc_id}/{req.idx}"
+            prompt = self._prompt(req, f"{base}/{repeat[base]}")  # lm-eval repeats a request k times
+            repeat[base] += 1
+            done = self.journal.get(prompt.key) if self.journal else None
+            if done is not None:
+                if done["prompt_hash"] != prompt_hash(prompt.text):
+                    raise RuntimeError(
+                        f"{self.journal.path}: request {prompt.key} was generated from a different prompt; "
+                        "the task data changed since this run started. Delete the run folder to start over."
+                    )
+                results[i] = done["text"]
+            else:
+                todo.append((i, prompt))
+        bar = tqdm(
+            total=len(requests),
+            initial=len(requests) - len(todo),
+            desc=f"{self.kv_method.name} {getattr(self.kv_method, 'budget', None) or ''}".strip(),
+            unit="req",
+            disable=disable_tqdm,
+        )
+        for batch in self._batches(todo):
+            for (i, prompt), text in zip(batch, self._run([p for _, p in batch])):
+                results[i] = text
+                if self.journal:
+                    self.journal.append(self._record(prompt, text))
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{prompt.stats.get('tokens_per_s', 0):.1f}")
+        bar.close()
+        return results
+
+    def _prompt(self, req, key: str) -> Prompt:
+        context, gen = req.args[0], dict(req.args[1])
+        followup = gen.pop("evalkit_followup", None)
+        limit = int(gen.get("max_gen_toks", self.max_gen_toks))
+        doc = req.doc if isinstance(req.doc, dict) and DOC_FIELDS <= set(req.doc) else None
+        if doc is None:  # a plain lm-eval task: lm-eval rendered the context
+            return Prompt(key, context, limit, gen, followup=followup)
+        sample = Sample.from_doc(doc)
+        return Prompt(key, render(self.tokenizer, sample), min(sample.max_new_tokens, limit), gen, sample, followup)
+
+    def _batches(self, todo):
+        """Batches of up to batch_size requests that share generation settings (lm-eval order kept)."""
+        groups: dict[str, list] = {}
+        for item in todo:
+            groups.setdefault(json.dumps(item[1].gen, sort_keys=True, default=str), []).append(item)
+        size = max(1, int(self.batch_size))
+        for items in groups.values():
+            for start in range(0, len(items), size):
+                yield items[start : start + size]
+
+    def _run(self, prompts: list[Prompt]) -> list[str]:
+        texts = self._generate(prompts)
+        if prompts[0].followup is None:
+            return texts
+        module, name = prompts[0].followup.split(":")
+        make = getattr(importlib.import_module(module), name)
+        second = []
+        for p, first in zip(prompts, texts):
+            s = make(p.sample, first)
+            second.append(Prompt(p.key, render(self.tokenizer, s), s.max_new_tokens, p.gen, s))
+        finals = self._generate(second)
+        for p, s, first in zip(prompts, second, texts):
+            p.stats["followup"] = s.stats
+            p.stats["first_output"] = first
+        return finals
+
+    def _generate(self, prompts: list[Prompt]) -> list[str]:
+        """One batched generate call; fills each prompt's stats; returns the continuations."""
+        ids = [self._encode(p) for p in prompts]
+        max_new = max(p.max_new for p in prompts)
+        width = max(len(x) for x in ids)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=self.device)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=self.device)
+        eos = self._eos_ids()
+        config = generation_config(prompts[0].gen, max_new, eos, pad)
+        until = [s for s in prompts[0].gen.get("until", []) or [] if s]
+        torch.manual_seed(int(hashlib.sha256(f"{self.seed}/{prompts[0].key}".encode()).hexdigest()[:8], 16))
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self._model_generate(input_ids, stop=until or None, attention_mask=mask, generation_config=config)
+        wall = time.perf_counter() - start
+        texts = []
+        for r, p in enumerate(prompts):
+            toks = out[r, width:].tolist()[: p.max_new]
+            ended = next((j for j, t in enumerate(toks) if t in eos), None)
+            toks = toks if ended is None else toks[: ended + 1]
+            text = self.tokenizer.decode(toks, skip_special_tokens=True)
+            for stop in until:
+                text = text.split(stop)[0]
+            if p.text.endswith("<think>\n"):  # R1-style templates open the thinking block in the prompt
+                text = "<think>\n" + text
+            row = self.last_cache_stats["rows"][r]
+            p.stats.update(
+                prompt_tokens=len(ids[r]),
+                output_tokens=len(toks),
+                hit_limit=ended is None and len(toks) >= p.max_new,
+                wall_s=wall / len(prompts),
+                tokens_per_s=sum(len(x) for x in ids) / max(wall, 1e-9),
+                kv_slots=self.last_cache_stats["slots"],
+                kv_bytes=row["bytes"],
+                kv_seen=row["seen"],
+                kv_kept=row["kept"],
+                kv_evicted_generated=row["evicted_generated"],
+            )
+            texts.append(text)
+        return texts
+
+    def _encode(self, p: Prompt) -> list[int]:
+        """Token ids; a prompt longer than the context (minus generation room) is cut in the middle, counted."""
+        ids = self.tokenizer(p.text, add_special_tokens=p.sample is None)["input_ids"]
+        room = self.max_length - p.max_new
+        if room < 1:
+            raise ValueError(f"{p.key}: max_new_tokens {p.max_new} leaves no room in the context {self.max_length}")
+        p.stats["truncated"] = len(ids) > room
+        if len(ids) > room:  # keep the instructions (head) and the question (tail), as LongBench does
+            ids = ids[: room // 2] + ids[len(ids) - (room - room // 2) :]
+        return ids
+
+    def _eos_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        eos = list(eos) if isinstance(eos, list | tuple) else [eos] if eos is not None else []
+        return sorted({*eos, self.tokenizer.eos_token_id} - {None})
+
+    def _record(self, p: Prompt, text: str) -> dict:
+        task, doc_id, idx, rep = p.key.rsplit("/", 3)
+        return {
+            "key": p.key,
+            "task": task,
+            "doc_id": int(doc_id),
+            "repeat": int(rep),
+            "id": p.sample.id if p.sample else None,
+            "prompt_hash": prompt_hash(p.text),
+            "text": text,
+            "stats": p.stats,
+        }

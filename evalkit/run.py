@@ -1,0 +1,158 @@
+"""The entry point: `python -m evalkit [overrides]` evaluates one (model, task, method, budget) with lm-eval.
+
+Reads top to bottom: validate the config (no model yet), skip if this run is already done, load data and
+model, generate through lm-eval with the evalkit model (journaled: a killed run resumes), score, aggregate,
+write `samples.jsonl` and `metrics.json`, print a table.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf
+
+from evalkit.config import CONF_DIR, ConfigError, check_choice, group_config, make_method, model_spec
+from evalkit.models import ModelLoadError
+from evalkit.results import Journal, atomic_write, config_yaml, run_dir, write_json
+from evalkit.summary import print_table, summarize
+
+TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
+_MODELS: dict[str, tuple] = {}  # one load per process across the jobs of a sweep
+log = logging.getLogger("evalkit")
+
+
+class DataError(RuntimeError):
+    """The task's data could not be loaded (missing file, bad source); the message says which and how to fix."""
+
+
+@dataclass
+class Plan:
+    cfg: DictConfig
+    method: object
+    spec: object
+    task_module: object
+    out: Path
+
+
+def plan(cfg: DictConfig) -> Plan:
+    """Everything that can fail on a bad config, before any model or data is loaded."""
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    for group in ("model", "task", "method"):
+        if group in choices:
+            check_choice(group, choices[group])
+    method_name = choices.get("method") or cfg.method._target_.rsplit(".", 1)[-1].lower()
+    method_cls = get_class(cfg.method._target_)
+    method_cfg = cfg.method
+    if not getattr(method_cls, "budget_applies", True) and method_cfg.get("budget") is not None:
+        # a sweep lists `full` beside compressed methods: its budgets all name the one uncompressed run
+        log.info("%s keeps every entry: budget=%s does not apply", method_name, method_cfg.budget)
+        method_cfg = OmegaConf.merge(method_cfg, {"budget": None})
+    method = make_method(method_cfg)
+    out = run_dir(OmegaConf.merge(cfg, {"method": method_cfg}), method_name, group_config("method", method_name))
+    try:
+        task_module = importlib.import_module(cfg.task.module)
+    except ImportError as e:
+        raise ConfigError(f"task {cfg.task.name}: cannot import {cfg.task.module} ({e})") from None
+    return Plan(cfg, method, model_spec(cfg.model), task_module, out)
+
+
+def check_resume(p: Plan) -> bool:
+    """True if this run finished already. A folder holding another config is refused, never mixed."""
+    saved = p.out / "config.yaml"
+    want = config_yaml(p.cfg)
+    if saved.exists() and saved.read_text() != want:
+        raise ConfigError(
+            f"{p.out} holds a run with a different config (see its config.yaml). "
+            "Use another results_dir, or delete that folder to redo it."
+        )
+    if (p.out / "metrics.json").exists():
+        return True
+    atomic_write(saved, want)
+    return False
+
+
+def get_model(spec):
+    from evalkit.models import load_model
+
+    key = repr(spec)
+    if key not in _MODELS:
+        _MODELS.clear()  # one model resident at a time
+        _MODELS[key] = load_model(spec)
+    return _MODELS[key]
+
+
+def load_data(p: Plan, tokenizer_source: str, context: int):
+    from evalkit.task import load_task
+
+    kwargs = {**OmegaConf.to_container(p.cfg.task.load, resolve=True), "tokenizer": tokenizer_source}
+    kwargs["model_context"] = context
+    try:
+        return load_task(p.cfg.task.name, p.task_module.load, **kwargs), kwargs
+    except (FileNotFoundError, LookupError, ValueError, OSError) as e:
+        raise DataError(f"task {p.cfg.task.name}: {e}") from None
+
+
+def evaluate(p: Plan) -> dict:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    from evalkit.lm import EvalkitLM
+    from evalkit.models import context_length, resolve_source, tokenizer_source
+
+    spec = p.spec
+    source = tokenizer_source(spec.tokenizer) if spec.random is not None else resolve_source(spec)
+    model, tokenizer = get_model(spec)
+    context = context_length(model, spec)
+    loaded, load_kwargs = load_data(p, source, context)
+    journal = Journal(p.out / "generations.jsonl")
+    lm = EvalkitLM(model=spec, method=p.method, hf_model=model, tokenizer=tokenizer, journal=journal,
+                   batch_size=p.cfg.batch_size, max_length=context, seed=p.cfg.seed)  # fmt: skip
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=load_kwargs)
+    tasks = get_task_dict([p.cfg.task.lm_eval_task], manager)
+    for task in tasks.values():
+        task.config.repeats = int(p.cfg.task.repeats)
+    start = time.perf_counter()
+    result = simple_evaluate(
+        model=lm, tasks=list(tasks.values()), limit=p.cfg.limit, log_samples=True, bootstrap_iters=0,
+        gen_kwargs=OmegaConf.to_container(p.cfg.task.generation) or None, task_manager=manager,
+    )  # fmt: skip
+    journal.close()
+    logged = result["samples"][p.cfg.task.lm_eval_task]
+    return summarize(p, loaded, logged, journal, time.perf_counter() - start, model)
+
+
+def run(cfg: DictConfig) -> dict:
+    p = plan(cfg)
+    if check_resume(p):
+        print(f"evalkit: {p.out} is complete; skipping (delete it to rerun)")
+        metrics = json.loads((p.out / "metrics.json").read_text())
+    else:
+        metrics, samples = evaluate(p)
+        atomic_write(p.out / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
+        write_json(p.out / "metrics.json", metrics)
+    print_table(metrics)
+    return metrics
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    # lm-eval warns per breakdown key ("no aggregation defined"): evalkit aggregates those itself
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    try:
+        run(cfg)
+    except (ConfigError, ModelLoadError, DataError) as e:
+        print(f"evalkit: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Run untrusted (model-generated) Python programs isolated by the operating system.
+
+Each program runs in a fresh process tree, in its own session, with an empty environment (HOME and TMPDIR
+point into its own size-capped tmpfs working dir), stdin from a pipe and its output read incrementally and
+cut at a cap. Where the machine allows (`isolation()` reports what it does): new network namespace (no
+network at all), new PID namespace (all descendants die with the program), new IPC/UTS namespaces, a mount
+namespace with the whole file system read-only and /root and $HOME hidden, and a per-run unprivileged uid
+(as root) or a user namespace (otherwise). Always: setrlimit AS/CPU/FSIZE/NPROC/NOFILE/CORE and
+no_new_privs. A timeout, a cap breach or the caller's `on_event` stop kills the whole tree, and every process
+is reaped. Upstream LiveCodeBench's `reliability_guard` is not a sandbox; this is what replaces it.
+
+Programs may report progress as JSON lines on fd 3: `run_program(..., on_event=f)` calls `f(event)` for
+each (return False to stop the run), and each event re-arms the `timeout_s` watchdog. A grader thus runs a
+driver that executes many tests in one process and stops it at the first failure.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from evalkit.sandbox import _host
+
+OUTPUT_LIMIT = 32 << 20  # bytes of stdout+stderr (and per event line) before the run is cut
+STATUSES = ("ok", "runtime_error", "memory", "timeout", "output_limit", "killed", "stopped", "sandbox_error")
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed or refused to run; never a property of the program."""
+
+
+@dataclass
+class RunResult:
+    status: str  # one of STATUSES
+    stdout: str
+    stderr: str
+    returncode: int | None  # exit code, -signal when killed by one, None when we stopped the run
+    wall_s: float
+    error: str = ""  # the sandbox's own message when status == "sandbox_error"
+
+
+_probe_lock = threading.Lock()
+_probed: dict | None = None
+
+
+def isolation() -> dict:
+    """What this machine allows, probed once per process by running an empty program:
+    {"network": "netns"|None, "filesystem": "ro-root"|"cwd-only", "pid": bool, "ipc": bool,
+    "user": "uid-drop"|"userns"|None}. Later runs require exactly this (no silent downgrade)."""
+    global _probed
+    with _probe_lock:
+        if _probed is None:
+            res, msgs = _run("pass", "", mode="probe", require=None, timeout_s=30, memory_mb=1024)
+            got = next((m["isolation"] for m in msgs if "isolation" in m), None)
+            if res.status != "ok" or got is None:
+                raise SandboxError(f"sandbox probe failed ({res.status}): {res.error or res.stderr[-2000:]}")
+            _probed = got
+        return dict(_probed)
+
+
+def run_program(code: str, stdin: str = "", *, timeout_s: float, memory_mb: int, cpu_s: float | None = None,
+                disk_mb: int = 64, nproc: int = 64, output_limit: int = OUTPUT_LIMIT,
+                on_event: Callable[[dict], bool] | None = None, allow_unisolated: bool = False) -> RunResult:  # fmt: skip
+    """Run `code` with `python -I` in the sandbox and return how it ended. `timeout_s` is wall time from the
+    start, re-armed by each fd-3 event; `cpu_s` (default `timeout_s`) is the RLIMIT_CPU backstop; `disk_mb`
+    caps the working dir and each file. Refuses (SandboxError) without network isolation unless
+    `allow_unisolated`."""
+    iso = isolation()
+    if iso["network"] is None and not allow_unisolated:
+        raise SandboxError(f"no network isolation on this machine ({iso}); pass allow_unisolated=True to override")
+    limits = {"memory_mb": memory_mb, "cpu_s": cpu_s or timeout_s, "disk_mb": disk_mb, "nproc": nproc,
+              "nofile": 256, "output_limit": output_limit}  # fmt: skip
+    res, _ = _run(code, stdin, mode="run", require=iso, timeout_s=timeout_s, on_event=on_event, **limits)
+    return res
+
+
+def map_parallel(fn: Callable, items: Iterable, workers: int | None = None) -> list:
+    """`[fn(x) for x in items]` on `workers` threads (default: os.cpu_count()); each call typically runs one
+    sandboxed program, so a thread per core keeps the cores busy. Results keep the input order."""
+    items = list(items)
+    workers = min(workers or os.cpu_count() or 1, max(len(items), 1))
+    if workers == 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(workers, thread_name_prefix="sandbox") as pool:
+        return list(pool.map(fn, items))
+
+
+def _run(code: str, stdin: str, *, mode: str, require: dict | None, timeout_s: float, memory_mb: int,
+         cpu_s: float = 30, disk_mb: int = 64, nproc: int = 64, nofile: int = 256,
+         output_limit: int = OUTPUT_LIMIT, on_event=None) -> tuple[RunResult, list[dict]]:  # fmt: skip
+    uid = _host.acquire_uid()
+    root = _host.prepare_root({"prog.py": code}, uid)
+    try:
+        limits = {"memory_mb": memory_mb, "cpu_s": cpu_s, "disk_mb": disk_mb, "nproc": nproc, "nofile": nofile}
+        argv = [sys.executable, "-I", os.path.join(root, "prog.py")]
+        cfg = _host.make_config(root, argv, uid=uid, limits=limits, mode=mode, require=require)
+        start = time.monotonic()
+        proc, status_r, events_r = _host.spawn(cfg)
+        pumped = None
+        try:
+            pumped = _host.pump(proc, status_r, events_r, stdin.encode(), timeout_s=timeout_s,
+                                output_limit=output_limit, on_event=on_event)  # fmt: skip
+        finally:
+            _host.reap(proc, kill=pumped is None or pumped.stopped is not None)
+        return _classify(pumped, proc.returncode, time.monotonic() - start), pumped.status
+    finally:
+        _host.cleanup(root)
+        _host.release_uid(uid)
+
+
+def _classify(p: _host.Pumped, boot_rc: int | None, wall_s: float) -> RunResult:
+    out, err = p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
+    error = next((m["error"] for m in p.status if "error" in m), "")
+    ws = next((m["wait_status"] for m in p.status if "wait_status" in m), None)
+    rc = None
+    if p.stopped:
+        status = p.stopped
+    elif error:
+        status = "sandbox_error"
+    elif ws is None:  # the bootstrap died before P's end was known (only the program can have done that)
+        status, rc = "killed", boot_rc
+    elif os.WIFEXITED(ws):
+        rc = os.WEXITSTATUS(ws)
+        last = err.rstrip().rsplit("\n", 1)[-1]
+        status = "ok" if rc == 0 else "memory" if last.startswith("MemoryError") else "runtime_error"
+    else:
+        rc = -os.WTERMSIG(ws)
+        status = "timeout" if -rc == signal.SIGXCPU else "killed"
+    return RunResult(status, out, err, rc, wall_s, error)

@@ -1,0 +1,120 @@
+"""From lm-eval's logged samples and the generation journal to `samples.jsonl` rows, `metrics.json`, a table."""
+
+from __future__ import annotations
+
+import datetime as dt
+import statistics
+
+from omegaconf import OmegaConf
+
+from evalkit.results import git_sha, versions
+from evalkit.sample import aggregate
+
+
+def sample_rows(logged: list[dict], journal) -> list[dict]:
+    """One row per evaluated sample: id, prompt hash, predictions, per-sample scores, generation stats."""
+    by_doc: dict[int, list[dict]] = {}
+    for rec in journal.records.values():
+        by_doc.setdefault(rec["doc_id"], []).append(rec)
+    rows = []
+    for s in sorted(logged, key=lambda s: s["doc_id"]):
+        gens = sorted(by_doc.get(s["doc_id"], []), key=lambda r: r["repeat"])
+        rows.append(
+            {
+                "id": s["doc"]["id"],
+                "doc_id": s["doc_id"],
+                "subset": s["doc"].get("subset", ""),
+                "prompt_hash": gens[0]["prompt_hash"] if gens else None,
+                "predictions": [g["text"] for g in gens],
+                "scores": {k: s[k] for k in s["metrics"]},
+                "generation": [g["stats"] for g in gens],
+            }
+        )
+    return rows
+
+
+def _mean(xs):
+    xs = list(xs)
+    return statistics.fmean(xs) if xs else None
+
+
+def kv_summary(gens: list[dict], model_config) -> dict:
+    """Measured compression and memory over every generation of the run."""
+    peak = max(gens, key=lambda g: g["kv_bytes"]) if gens else {}
+    latent = getattr(model_config, "kv_lora_rank", None) is not None
+    return {
+        "compression_ratio": _mean(g["kv_kept"] / g["kv_seen"] for g in gens if g["kv_seen"]),
+        "mean_kept_entries": _mean(g["kv_kept"] for g in gens),
+        "peak_bytes": peak.get("kv_bytes"),
+        "peak_entries": peak.get("kv_slots"),
+        "evicted_generated_mean": _mean(g["kv_evicted_generated"] for g in gens),
+        "cache_layout": "latent" if latent else "per_head",
+    }
+
+
+def generation_summary(gens: list[dict], wall: float) -> dict:
+    tokens = sum(g["output_tokens"] for g in gens)
+    return {
+        "requests": len(gens),
+        "tokens_generated": tokens,
+        "mean_output_tokens": _mean(g["output_tokens"] for g in gens),
+        "mean_prompt_tokens": _mean(g["prompt_tokens"] for g in gens),
+        "hit_limit": sum(bool(g["hit_limit"]) for g in gens),
+        "truncated_prompts": sum(bool(g.get("truncated")) for g in gens),
+        "wall_time_s": round(wall, 3),
+    }
+
+
+def summarize(plan, loaded, logged: list[dict], journal, wall: float, model) -> tuple[dict, list[dict]]:
+    cfg, method = plan.cfg, plan.method
+    rows = sample_rows(logged, journal)
+    gens = [g for r in rows for g in r["generation"]]
+    metrics = {
+        "schema": 1,
+        "task": cfg.task.name,
+        "task_version": getattr(plan.task_module, "VERSION", 1),
+        "headline": cfg.task.headline,
+        "model": {
+            "name": cfg.model.name,
+            "id": cfg.model.get("path") or cfg.model.get("id"),
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "hf_config": model.config.to_dict(),
+        },
+        "method": {**method.describe(), "conf": plan.out.parent.name},
+        "budget": getattr(method, "budget", None),
+        "n": len(rows),
+        "n_skipped": len(loaded.skipped),
+        "skipped": [{"id": s.id, "reason": s.reason} for s in loaded.skipped],
+        "data": {"source": loaded.source, "hash": loaded.data_hash, "stats": loaded.stats},
+        "scores": aggregate([r["scores"] for r in rows]),
+        "kv": kv_summary(gens, model.config.get_text_config()),
+        "generation": generation_summary(gens, wall),
+        "batch_size": cfg.batch_size,
+        "provenance": {
+            "git_sha": git_sha(),
+            "versions": versions(),
+            "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "config": OmegaConf.to_container(cfg, resolve=True),
+        },
+    }
+    return metrics, rows
+
+
+def print_table(m: dict) -> None:
+    """The run's scores (headline first) and its KV and generation figures."""
+    head = m["headline"]
+    budget = m["budget"] if m["budget"] is not None else "-"
+    print(f"\n{m['task']} | {m['model']['name']} | {m['method']['name']} budget={budget} | n={m['n']} ({m['data']['source']})")
+    # headline first, then one level of breakdown; task@length cells and the rest stay in metrics.json
+    keys = sorted((k for k in m["scores"] if "@" not in k), key=lambda k: (k != head, k.count("/"), k))
+    width = max(len(k) for k in keys) if keys else 10
+    for k in keys:
+        v = m["scores"][k]
+        print(f"  {k:<{width}}  {v['mean']:8.2f} ± {v['stderr']:6.2f}  (n={v['n']})")
+    kv, gen = m["kv"], m["generation"]
+    ratio = f"{kv['compression_ratio']:.3f}" if kv["compression_ratio"] is not None else "-"
+    print(
+        f"  kv: kept/seen {ratio}, peak {kv['peak_entries']} entries = {kv['peak_bytes'] or 0:,} bytes;"
+        f" generated {gen['tokens_generated']} tokens in {gen['wall_time_s']:.0f} s"
+        f" (hit limit {gen['hit_limit']}, truncated prompts {gen['truncated_prompts']})"
+    )
