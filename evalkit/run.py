@@ -50,14 +50,22 @@ def plan(cfg: DictConfig) -> Plan:
         if group in choices:
             check_choice(group, choices[group])
     method_name = choices.get("method") or cfg.method._target_.rsplit(".", 1)[-1].lower()
-    method_cls = get_class(cfg.method._target_)
-    method_cfg = cfg.method
-    if not getattr(method_cls, "budget_applies", True) and method_cfg.get("budget") is not None:
+    if (
+        not getattr(get_class(cfg.method._target_), "budget_applies", True)
+        and cfg.method.get("budget") is not None
+    ):
         # a sweep lists `full` beside compressed methods: its budgets all name the one uncompressed run
-        log.info("%s keeps every entry: budget=%s does not apply", method_name, method_cfg.budget)
-        method_cfg = OmegaConf.merge(method_cfg, {"budget": None})
-    method = make_method(method_cfg)
-    out = run_dir(OmegaConf.merge(cfg, {"method": method_cfg}), method_name, group_config("method", method_name))
+        log.info("%s keeps every entry: budget=%s does not apply", method_name, cfg.method.budget)
+        cfg = OmegaConf.merge(cfg, {"method": {"budget": None}})
+    method = make_method(cfg.method)
+    for key, ok in (("batch_size", lambda v: isinstance(v, int) and v >= 1),
+                    ("limit", lambda v: v is None or isinstance(v, int) and v >= 1),
+                    ("seed", lambda v: isinstance(v, int))):  # fmt: skip
+        if not ok(cfg.get(key)):
+            raise ConfigError(
+                f"{key} must be {'a positive integer' if key != 'seed' else 'an integer'}, got {cfg.get(key)!r}"
+            )
+    out = run_dir(cfg, method_name, group_config("method", method_name))
     try:
         task_module = importlib.import_module(cfg.task.module)
     except ImportError as e:
@@ -97,24 +105,30 @@ def load_data(p: Plan, tokenizer_source: str, context: int):
     kwargs["model_context"] = context
     try:
         return load_task(p.cfg.task.name, p.task_module.load, **kwargs), kwargs
-    except (FileNotFoundError, LookupError, ValueError, OSError) as e:
+    except (
+        FileNotFoundError,
+        LookupError,
+        ValueError,
+        OSError,
+        RuntimeError,
+    ) as e:  # bad data or data options
         raise DataError(f"task {p.cfg.task.name}: {e}") from None
 
 
-def evaluate(p: Plan) -> dict:
+def evaluate(p: Plan) -> tuple[dict, list[dict]]:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager, get_task_dict
 
     from evalkit.lm import EvalkitLM
-    from evalkit.models import context_length, resolve_source, tokenizer_source
+    from evalkit.models import context_limit, tokenizer_path
 
-    spec = p.spec
-    source = tokenizer_source(spec.tokenizer) if spec.random is not None else resolve_source(spec)
-    model, tokenizer = get_model(spec)
-    context = context_length(model, spec)
-    loaded, load_kwargs = load_data(p, source, context)
+    source = tokenizer_path(p.spec)
+    context = context_limit(p.spec, source)
+    loaded, load_kwargs = load_data(p, source, context)  # data problems surface before the model loads
+    setup = configure_task(p)
+    model, tokenizer = get_model(p.spec)
     journal = Journal(p.out / "generations.jsonl")
-    lm = EvalkitLM(model=spec, method=p.method, hf_model=model, tokenizer=tokenizer, journal=journal,
+    lm = EvalkitLM(model=p.spec, method=p.method, hf_model=model, tokenizer=tokenizer, journal=journal,
                    batch_size=p.cfg.batch_size, max_length=context, seed=p.cfg.seed)  # fmt: skip
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=load_kwargs)
     tasks = get_task_dict([p.cfg.task.lm_eval_task], manager)
@@ -127,7 +141,22 @@ def evaluate(p: Plan) -> dict:
     )  # fmt: skip
     journal.close()
     logged = result["samples"][p.cfg.task.lm_eval_task]
-    return summarize(p, loaded, logged, journal, time.perf_counter() - start, model)
+    metrics, samples = summarize(p, loaded, logged, journal, time.perf_counter() - start, model)
+    if setup is not None:
+        metrics["task_setup"] = setup
+    return metrics, samples
+
+
+def configure_task(p: Plan) -> dict | None:
+    """A task module's optional `configure(**task.setup)` (e.g. the code sandbox), run before generating;
+    what it returns (settings, detected isolation) is recorded in metrics.json."""
+    configure = getattr(p.task_module, "configure", None)
+    if configure is None:
+        return None
+    try:
+        return configure(**OmegaConf.to_container(p.cfg.task.get("setup") or {}, resolve=True))
+    except (ValueError, RuntimeError, OSError) as e:
+        raise ConfigError(f"task {p.cfg.task.name} setup: {e}") from None
 
 
 def run(cfg: DictConfig) -> dict:

@@ -104,7 +104,9 @@ def print_table(m: dict) -> None:
     """The run's scores (headline first) and its KV and generation figures."""
     head = m["headline"]
     budget = m["budget"] if m["budget"] is not None else "-"
-    print(f"\n{m['task']} | {m['model']['name']} | {m['method']['name']} budget={budget} | n={m['n']} ({m['data']['source']})")
+    print(
+        f"\n{m['task']} | {m['model']['name']} | {m['method']['name']} budget={budget} | n={m['n']} ({m['data']['source']})"
+    )
     # headline first, then one level of breakdown; task@length cells and the rest stay in metrics.json
     keys = sorted((k for k in m["scores"] if "@" not in k), key=lambda k: (k != head, k.count("/"), k))
     width = max(len(k) for k in keys) if keys else 10

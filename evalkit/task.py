@@ -44,7 +44,11 @@ def get_tokenizer(name_or_path: str):
     """Tokenizers are passed to `load` by name (lm-eval metadata must stay JSON); load each once."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name_or_path)
+    from evalkit.models import tokenizer_source
+
+    return AutoTokenizer.from_pretrained(
+        tokenizer_source(name_or_path)
+    )  # a model conf name, folder or hub id
 
 
 _MEMO: dict[tuple, Loaded] = {}
@@ -77,6 +81,10 @@ def lm_eval_hooks(name: str, load: Callable[..., Loaded], score: Callable[[list[
         from datasets import Dataset
 
         kwargs = {k: v for k, v in metadata.items() if k not in LM_EVAL_METADATA}
+        if "tokenizer" not in kwargs and isinstance(kwargs.get("model"), str):
+            kwargs["tokenizer"] = kwargs[
+                "model"
+            ]  # lm-eval CLI: --model_args model=<conf> reaches task metadata
         loaded = load_task(name, load, **kwargs)
         return {"test": Dataset.from_list([s.to_doc() for s in loaded.samples])}
 

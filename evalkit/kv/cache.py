@@ -304,9 +304,15 @@ class KVCache(Cache):
         In a batch, a row that finished early keeps receiving pad tokens until the longest row ends.
         """
         rows = self.row_stats()
-        total = {k: sum(r[k] for r in rows) for k in ("seen", "kept", "evicted", "evicted_generated", "bytes")}
+        total = {
+            k: sum(r[k] for r in rows) for k in ("seen", "kept", "evicted", "evicted_generated", "bytes")
+        }
         per_layer = [
-            {**{k: total[k] for k in ("seen", "kept", "evicted")}, "layer": i, "bytes": lay.entry_bytes() * self.used}
+            {
+                **{k: total[k] for k in ("seen", "kept", "evicted")},
+                "layer": i,
+                "bytes": lay.entry_bytes() * self.used,
+            }
             for i, lay in enumerate(self.layers)
             if lay.keys is not None
         ]

@@ -32,7 +32,9 @@ class KVMethod:
 
     name: ClassVar[str]
     ring: ClassVar[bool]  # True: fixed-size cache, decode overwrites the oldest tail entry in place
-    budget_applies: ClassVar[bool] = True  # False for `full`: sweeps may list it with budgets, which name one run
+    budget_applies: ClassVar[bool] = (
+        True  # False for `full`: sweeps may list it with budgets, which name one run
+    )
 
     def blocks(self) -> tuple[int, int, int]:
         """(sink, tail, top-K) used when a prompt does not fit in the budget."""

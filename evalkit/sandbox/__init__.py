@@ -4,10 +4,12 @@ Each program runs in a fresh process tree, in its own session, with an empty env
 point into its own size-capped tmpfs working dir), stdin from a pipe and its output read incrementally and
 cut at a cap. Where the machine allows (`isolation()` reports what it does): new network namespace (no
 network at all), new PID namespace (all descendants die with the program), new IPC/UTS namespaces, a mount
-namespace with the whole file system read-only and /root and $HOME hidden, and a per-run unprivileged uid
-(as root) or a user namespace (otherwise). Always: setrlimit AS/CPU/FSIZE/NPROC/NOFILE/CORE and
-no_new_privs. A timeout, a cap breach or the caller's `on_event` stop kills the whole tree, and every process
-is reaped. Upstream LiveCodeBench's `reliability_guard` is not a sandbox; this is what replaces it.
+namespace with the whole file system read-only and /root, $HOME, /tmp, /var/tmp and /run emptied (but for
+the interpreter and the run's own dir), and a per-run unprivileged uid (as root) or a user namespace
+(otherwise). Always: setrlimit AS/CPU/FSIZE/NPROC/NOFILE/CORE and no_new_privs. A timeout, a cap breach or
+the caller's `on_event` stop kills the whole tree, and every process is reaped, by the sandbox itself (the
+machine's PID 1 need not reap). Upstream LiveCodeBench's `reliability_guard` is not a sandbox; this
+replaces it. Implementation: `_host.py` (this side), `_boot.py` (the bootstrap inside).
 
 Programs may report progress as JSON lines on fd 3: `run_program(..., on_event=f)` calls `f(event)` for
 each (return False to stop the run), and each event re-arms the `timeout_s` watchdog. A grader thus runs a
@@ -73,7 +75,7 @@ def run_program(code: str, stdin: str = "", *, timeout_s: float, memory_mb: int,
     `allow_unisolated`."""
     iso = isolation()
     if iso["network"] is None and not allow_unisolated:
-        raise SandboxError(f"no network isolation on this machine ({iso}); pass allow_unisolated=True to override")
+        raise SandboxError(f"no network isolation here ({iso}); pass allow_unisolated=True to override")
     limits = {"memory_mb": memory_mb, "cpu_s": cpu_s or timeout_s, "disk_mb": disk_mb, "nproc": nproc,
               "nofile": 256, "output_limit": output_limit}  # fmt: skip
     res, _ = _run(code, stdin, mode="run", require=iso, timeout_s=timeout_s, on_event=on_event, **limits)
@@ -97,7 +99,7 @@ def _run(code: str, stdin: str, *, mode: str, require: dict | None, timeout_s: f
     uid = _host.acquire_uid()
     root = _host.prepare_root({"prog.py": code}, uid)
     try:
-        limits = {"memory_mb": memory_mb, "cpu_s": cpu_s, "disk_mb": disk_mb, "nproc": nproc, "nofile": nofile}
+        limits = dict(memory_mb=memory_mb, cpu_s=cpu_s, disk_mb=disk_mb, nproc=nproc, nofile=nofile)
         argv = [sys.executable, "-I", os.path.join(root, "prog.py")]
         cfg = _host.make_config(root, argv, uid=uid, limits=limits, mode=mode, require=require)
         start = time.monotonic()
@@ -123,8 +125,9 @@ def _classify(p: _host.Pumped, boot_rc: int | None, wall_s: float) -> RunResult:
         status = p.stopped
     elif error:
         status = "sandbox_error"
-    elif ws is None:  # the bootstrap died before P's end was known (only the program can have done that)
-        status, rc = "killed", boot_rc
+    elif ws is None:  # P's end unknown: the bootstrap was killed (by the program) or failed (our bug)
+        status, rc = ("killed", boot_rc) if (boot_rc or 0) < 0 else ("sandbox_error", boot_rc)
+        error = error or f"bootstrap exited {boot_rc} without a status: {err[-2000:]}"
     elif os.WIFEXITED(ws):
         rc = os.WEXITSTATUS(ws)
         last = err.rstrip().rsplit("\n", 1)[-1]

@@ -68,20 +68,16 @@ def _user_ns(cfg) -> None:
 
 
 def _hide(cfg) -> None:
-    """Overmount private dirs (e.g. /root, $HOME) with an empty tmpfs, then re-expose only the dirs the
-    program needs (the interpreter prefix, the venv), bind-mounted back from a staging copy."""
-    stage = os.path.join(cfg["root"], "stage")
-    for i, (hidden, keep) in enumerate(cfg["hide"]):
-        staged = []
-        for j, path in enumerate(keep):
-            s = os.path.join(stage, f"{i}_{j}")
-            os.makedirs(s)
-            _mount(path, s, None, MS_BIND | MS_REC)
-            staged.append((s, path))
+    """Overmount private or shared dirs (/root, $HOME, /tmp, /run, ...) with an empty tmpfs, then re-expose
+    only what the program needs inside them (interpreter, venv, its run dir). A kept dir is held open by an
+    O_PATH fd across the overmount and bound back from /proc/self/fd: its path no longer leads to it."""
+    for hidden, keep in cfg["hide"]:
+        fds = [(os.open(path, os.O_PATH | os.O_DIRECTORY), path) for path in keep]
         _mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
-        for s, path in staged:
+        for fd, path in fds:
             os.makedirs(path, mode=0o755, exist_ok=True)
-            _mount(s, path, None, MS_BIND | MS_REC)
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+            os.close(fd)
 
 
 def _mountinfo() -> list[tuple[str, int]]:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 BOOT = Path(__file__).with_name("_boot.py")
 # Root runs each program under its own uid: it owns no file, and RLIMIT_NPROC then counts this run only (the
-# kernel never enforces NPROC for uid 0). Taken from a range no distribution allocates, offset by our pid
-# so two harness processes on one machine do not share uids.
-UID_BASE = 1_500_000_000 + (os.getpid() % (1 << 19)) * 1024
-_free_slots = list(range(1024))
+# kernel never enforces NPROC for uid 0). Taken from a range no distribution allocates, 1024 per harness
+# process, offset by its pid (read at each call: a forked harness gets its own range).
+UID_FLOOR, SLOTS = 1_500_000_000, 1024
+_free_slots = list(range(SLOTS))
 _slots_lock = threading.Lock()
 ENV_KEEP = {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PATH": "/usr/local/bin:/usr/bin:/bin",
             "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # fmt: skip
@@ -39,43 +39,58 @@ class Pumped:
     stopped: str | None = None  # "timeout" | "output_limit" | "stopped" (on_event asked)
 
 
+def uid_range() -> range:
+    """The per-run uids this process hands out."""
+    base = UID_FLOOR + (os.getpid() % (1 << 19)) * SLOTS
+    return range(base, base + SLOTS)
+
+
 def acquire_uid() -> int | None:
     if os.geteuid() != 0:
         return None
     with _slots_lock:
         if not _free_slots:
-            raise RuntimeError("more than 1024 concurrent sandbox runs in one process")
-        return UID_BASE + _free_slots.pop()
+            raise RuntimeError(f"more than {SLOTS} concurrent sandbox runs in one process")
+        return uid_range()[_free_slots.pop()]
 
 
 def release_uid(uid: int | None) -> None:
     if uid is not None:
         with _slots_lock:
-            _free_slots.append(uid - UID_BASE)
+            _free_slots.append((uid - UID_FLOOR) % SLOTS)
 
 
-def hidden_dirs(keep: list[str], root: str) -> list[tuple[str, list[str]]]:
-    """Private dirs to overmount (each with the needed paths inside it): /root and $HOME, unless the run
-    directory itself lives there."""
+# Overmounted with an empty tmpfs in the program's view: secrets (/root, $HOME: tokens, keys, caches) and
+# shared places (other users' and runs' files and sockets in /tmp, /var/tmp, /run).
+HIDE = ("/root", "~", "/tmp", "/var/tmp", "/run")
+
+
+def hidden_dirs(keep: list[str]) -> list[tuple[str, list[str]]]:
+    """(dir to overmount, the kept paths inside it) for each of HIDE that exists and holds no kept path
+    whole; nested HIDE entries are hidden with their parent."""
+    dirs = {os.path.realpath(os.path.expanduser(d)) for d in HIDE}
+    dirs = {d for d in dirs if d != "/" and os.path.isdir(d) and not any(_within(d, k) for k in keep)}
     out = []
-    for d in sorted({"/root", os.path.expanduser("~")}):
-        d = os.path.realpath(d)
-        if d == "/" or not os.path.isdir(d) or root.startswith(d + "/"):
+    for d in sorted(dirs):
+        if any(_within(d, o) for o in dirs if o != d):
             continue
-        inside = [k for k in keep if k.startswith(d + "/")]
-        # keep only outermost paths: a kept dir's sub-dirs come with it
-        inside = [k for k in inside if not any(k.startswith(o + "/") for o in inside if o != k)]
+        inside = [k for k in keep if _within(k, d)]
+        inside = [k for k in inside if not any(_within(k, o) for o in inside if o != k)]  # outermost only
         out.append((d, inside))
     return out
 
 
+def _within(path: str, d: str) -> bool:
+    return path == d or path.startswith(d + "/")
+
+
 def make_config(root: str, argv: list[str], *, uid, limits: dict, mode: str, require: dict | None) -> dict:
     work = os.path.join(root, "work")
-    keep = sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.executable)})
-    keep = [k if os.path.isdir(k) else os.path.dirname(k) for k in keep]
+    keep = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, os.path.dirname(sys.executable), root)}
+    keep = sorted(k for k in keep if os.path.isdir(k))
     env = {**ENV_KEEP, "HOME": work, "TMPDIR": work}
     return {"mode": mode, "require": require, "root": root, "work": work, "uid": uid, "argv": argv,
-            "env": env, "hide": hidden_dirs(keep, root), **limits}  # fmt: skip
+            "env": env, "hide": hidden_dirs(keep), **limits}  # fmt: skip
 
 
 def prepare_root(files: dict[str, str], uid: int | None) -> str:
@@ -88,7 +103,6 @@ def prepare_root(files: dict[str, str], uid: int | None) -> str:
             f.write(text)
         os.chmod(path, 0o644)
     os.mkdir(os.path.join(root, "work"), 0o700)
-    os.mkdir(os.path.join(root, "stage"), 0o700)
     if uid is not None:  # without a mount namespace this dir is the program's cwd as is
         os.chown(os.path.join(root, "work"), uid, uid)
     return root
@@ -144,9 +158,9 @@ def pump(proc, status_r: int, events_r: int, stdin: bytes, *, timeout_s: float, 
                 buf = reads[key.fd]
                 buf += chunk
                 if key.fd == status_r:
-                    out.status += _lines(buf)
+                    out.status += _lines(buf, chunk)
                 elif key.fd == events_r:
-                    out.stopped, progressed = _events(buf, on_event, output_limit)
+                    out.stopped, progressed = _events(buf, chunk, on_event, output_limit)
                     deadline = time.monotonic() + timeout_s if progressed else deadline
                 elif len(out.stdout) + len(out.stderr) > output_limit:
                     out.stopped = "output_limit"
@@ -159,13 +173,16 @@ def pump(proc, status_r: int, events_r: int, stdin: bytes, *, timeout_s: float, 
     return out
 
 
-def _events(buf: bytearray, on_event, limit: int) -> tuple[str | None, bool]:
+def _events(buf: bytearray, chunk: bytes, on_event, limit: int) -> tuple[str | None, bool]:
     """Hand complete event lines to `on_event`; returns (stop reason or None, whether any event came)."""
+    if on_event is None:  # nobody listens: fd 3 is just another way to write nothing
+        del buf[:]
+        return None, False
     if len(buf) > limit:  # one line longer than the cap
         return "output_limit", False
-    events = _lines(buf)
+    events = _lines(buf, chunk)
     for ev in events:
-        if on_event is None or not on_event(ev):
+        if not on_event(ev):
             return "stopped", True
     return None, bool(events)
 
@@ -195,8 +212,11 @@ class _Feeder:
             self.stream.close()
 
 
-def _lines(buf: bytearray) -> list[dict]:
-    """Pop complete JSON lines off the buffer; a line that is not a JSON object becomes {"garbage": ...}."""
+def _lines(buf: bytearray, chunk: bytes) -> list[dict]:
+    """Pop complete JSON lines off the buffer (only when the new `chunk` ended one: a long line is not
+    re-scanned per chunk); a line that is not a JSON object becomes {"garbage": ...}."""
+    if b"\n" not in chunk:
+        return []
     *lines, rest = bytes(buf).split(b"\n")
     del buf[: len(buf) - len(rest)]
     msgs = []

@@ -28,6 +28,7 @@ FIELDS = ("_id", "domain", "sub_domain", "difficulty", "length", "question")
 FIELDS += tuple(f"choice_{c}" for c in "ABCD") + ("answer", "context")
 MAX_LEN = 120000  # config/model2maxlen.json: every 128k open model
 ANSWER_TOKENS, COT_TOKENS = 128, 1024  # pred.py max_tokens: the answer call, the CoT reasoning call
+TEMPLATE_MARGIN = 64  # tokens the chat template adds around the truncated prompt (evalkit choice)
 
 # Byte-exact copies of the upstream files (none ends with a newline; the apostrophe is U+2019).
 PROMPT_0SHOT = """\
@@ -156,12 +157,19 @@ def _sample(row: dict, mode: str, tokenizer, max_len: int) -> Sample:
     )
 
 
-def load(source="sample", n=None, seed=0, tokenizer=None, max_len=MAX_LEN, mode="0shot", **_) -> Loaded:
-    """LongBench-v2 samples. The runner passes the evaluated model's tokenizer and
-    max_len = min(120000, model context - generation tokens); without a tokenizer nothing is truncated
-    (stats["max_len"] is then None). With n, a seeded random subset is kept in file order."""
+def load(
+    source="sample", n=None, seed=0, tokenizer=None, max_len=MAX_LEN, mode="0shot", model_context=None, **_
+) -> Loaded:
+    """LongBench-v2 samples. The runner passes the evaluated model's tokenizer and context; max_len is
+    capped at model context - generation tokens - TEMPLATE_MARGIN (evalkit choice: upstream's 120000 for
+    128k models leaves that room implicitly). Without a tokenizer nothing is truncated (stats["max_len"] is
+    then None). With n, a seeded random subset is kept in file order."""
     if mode not in PROMPTS:
         raise ValueError(f"mode must be one of {sorted(PROMPTS)}, got {mode!r}")
+    if model_context:
+        max_len = min(
+            max_len, model_context - (COT_TOKENS if mode == "cot" else ANSWER_TOKENS) - TEMPLATE_MARGIN
+        )
     rows, tag, digest = _read(source)
     valid, skipped, seen = [], [], set()
     for i, row in enumerate(rows):

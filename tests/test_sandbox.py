@@ -1,0 +1,233 @@
+"""Hostile programs against evalkit.sandbox: each must end with the right status while the harness survives
+and the machine is left as it was (no leftover process, zombie, run directory or file outside the run).
+
+On a machine without namespaces (e.g. a CI runner that forbids unprivileged user namespaces) the runs use
+`allow_unisolated` and the cases that need a given isolation are skipped, saying which."""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+import tempfile
+import time
+
+import psutil
+import pytest
+
+from evalkit import sandbox
+from evalkit.sandbox import _host
+
+
+def run(code: str, stdin: str = "", timeout_s: float = 2.0, memory_mb: int = 512, **kw) -> sandbox.RunResult:
+    return sandbox.run_program(
+        code, stdin, timeout_s=timeout_s, memory_mb=memory_mb, allow_unisolated=True, **kw
+    )
+
+
+def needs(**want):
+    """Skip unless isolation() reports these values (a tuple: any of them)."""
+    iso = sandbox.isolation()
+    missing = {k: v for k, v in want.items() if iso[k] not in (v if isinstance(v, tuple) else (v,))}
+    if missing:
+        pytest.skip(f"needs {missing}; this machine gives {iso}")
+
+
+def needs_containment():
+    """Killing -1 or a whole group, or forking without bound, only harms the program itself when it has
+    its own PID namespace or its own uid."""
+    if sandbox.isolation()["user"] != "uid-drop":
+        needs(pid=True)
+
+
+def sandbox_processes() -> list[psutil.Process]:
+    """Processes running under any per-run sandbox uid of this harness process."""
+    uids = _host.uid_range()
+    return [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real in uids]
+
+
+@pytest.fixture(autouse=True)
+def machine_unchanged():
+    """After each test: no children (zombie or not) of this process, no sandbox-uid process anywhere, and no
+    run directory left behind."""
+    dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "evalkit-sbx-*")))
+    children = set(psutil.Process().children(recursive=True))  # e.g. worker pools of other test modules
+    yield
+    assert set(psutil.Process().children(recursive=True)) <= children
+    assert sandbox_processes() == []
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "evalkit-sbx-*"))) <= dirs
+
+
+def test_isolation_detected():
+    iso = sandbox.isolation()
+    assert set(iso) == {"user", "network", "ipc", "filesystem", "pid"}
+    needs(network="netns")
+
+
+def test_plain_program_stdin_and_exit_codes():
+    r = run("import sys; print(sys.stdin.read().upper())", "abc")
+    assert (r.status, r.stdout) == ("ok", "ABC\n")
+    r = run("import sys; sys.exit(3)")
+    assert (r.status, r.returncode) == ("runtime_error", 3)
+    r = run("import os; print('x', flush=True); os._exit(0)")
+    assert (r.status, r.returncode, r.stdout) == ("ok", 0, "x\n")
+    assert run("raise ValueError('boom')").status == "runtime_error"
+
+
+def test_infinite_loop_times_out_on_time():
+    r = run("while True: pass", timeout_s=1.0)
+    assert r.status == "timeout" and r.wall_s < 2.5
+
+
+def test_fork_bomb_is_contained_and_reaped():
+    needs_containment()
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    r = run(code, timeout_s=1.5)
+    assert r.status == "timeout"  # NPROC stops the forks; the watchdog ends the spinning survivors
+    # the autouse fixture checks that no process, zombie or orphan is left
+
+
+def test_escaping_children_die_with_the_program():
+    needs_containment()
+    # a daemonized grandchild (new session, ignores SIGHUP) must not outlive the run
+    code = (
+        "import os, signal, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid(); signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+        "    time.sleep(60)\n"
+        "print('parent done')\n"
+    )
+    r = run(code, timeout_s=5)
+    assert r.status == "ok" and r.wall_s < 3
+
+
+@pytest.mark.parametrize("code", ["x = bytearray(8 << 30)", "l = []\nwhile True:\n    l.append(' ' * 10**7)"])
+def test_memory_bomb(code):
+    assert run(code, memory_mb=256, timeout_s=10).status == "memory"
+
+
+def test_ten_gigabytes_of_output_are_cut():
+    code = "import sys\nb = 'x' * (1 << 20)\nfor _ in range(10240):\n    sys.stdout.write(b)\n"
+    r = run(code, timeout_s=20, output_limit=8 << 20)
+    assert r.status == "output_limit" and len(r.stdout) <= (8 << 20) + (1 << 16)
+
+
+def test_files_outside_the_run_are_untouched(tmp_path):
+    needs(filesystem="ro-root")
+    canary = tmp_path / "canary.txt"
+    canary.write_text("keep me")
+    code = f"""
+import os, shutil
+for attempt in (lambda: os.remove({str(canary)!r}), lambda: open({str(canary)!r}, "w").write("gone"),
+                lambda: open({str(tmp_path / "new.txt")!r}, "w").write("x"), lambda: shutil.rmtree({str(tmp_path)!r}),
+                lambda: open("/tmp/evalkit-sandbox-evil", "w"), lambda: os.mkdir("/var/tmp/evalkit-sandbox-evil")):
+    try:
+        attempt()
+        print("ALLOWED")
+    except OSError as e:
+        print("denied", e.errno)
+open("inside.txt", "w").write("fine")  # its own working dir is writable
+print(open("inside.txt").read())
+"""
+    r = run(code)
+    assert r.status == "ok" and "ALLOWED" not in r.stdout and r.stdout.endswith("fine\n"), r.stdout
+    assert canary.read_text() == "keep me" and sorted(os.listdir(tmp_path)) == ["canary.txt"]
+    assert not any(os.path.exists(f"{d}/evalkit-sandbox-evil") for d in ("/tmp", "/var/tmp"))
+
+
+def test_environment_secrets_do_not_leak(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "secret-hf-token-1234")
+    code = (
+        "import os\nprint(dict(os.environ))\n"
+        "for p in ('/proc/self/environ', '/proc/1/environ', f'/proc/{os.getppid()}/environ'):\n"
+        "    try:\n        print(open(p, 'rb').read())\n    except OSError as e:\n        print('denied', e)\n"
+    )
+    r = run(code)
+    assert r.status == "ok" and "secret-hf-token" not in r.stdout + r.stderr
+
+
+def test_no_network():
+    needs(network="netns")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        code = f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n    print('CONNECTED')\nexcept OSError as e:\n    print('failed', e)\n"
+        r = run(code)
+        assert r.status == "ok" and r.stdout.startswith("failed"), r.stdout
+        with pytest.raises(BlockingIOError):
+            server.accept()
+
+
+@pytest.mark.parametrize(
+    "code",
+    ["import os; os.kill(os.getppid(), 9); print('alive')", "import os; os.kill(-1, 9)", "import os; os.killpg(0, 9)"],
+)  # fmt: skip
+def test_killing_its_parents_harms_only_itself(code):
+    needs_containment()
+    r = run(code)
+    assert r.status in {"ok", "runtime_error", "killed"}
+    assert psutil.Process().is_running()
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        ("import sys\nsys.setrecursionlimit(50000)\ndef f(n):\n    return f(n + 1)\nf(0)\n", "runtime_error"),
+        # recursion through a C function grows the C stack until SIGSEGV
+        ("import sys\nsys.setrecursionlimit(10**7)\ndef f(n):\n    return max(map(f, [n + 1]))\nf(0)\n", "killed"),
+    ],
+)  # fmt: skip
+def test_deep_recursion(code, status):
+    assert run(code, timeout_s=10).status == status
+
+
+def test_fd3_is_ignored_without_a_listener():
+    r = run("import os\nos.write(3, b'not json\\n' * 1000)\nprint('done')")
+    assert (r.status, r.stdout) == ("ok", "done\n")
+
+
+def test_events_rearm_the_watchdog_and_stop_the_run():
+    code = "import os, time\nfor i in range(5):\n    time.sleep(0.3)\n    os.write(3, b'{\"i\": %d}\\n' % i)\ntime.sleep(60)\n"
+    seen = []
+    r = run(code, timeout_s=0.8, on_event=lambda ev: seen.append(ev["i"]) or ev["i"] < 3)
+    assert r.status == "stopped" and seen == [0, 1, 2, 3]  # 5 x 0.3 s > 0.8 s: each event re-armed it
+    r = run(code, timeout_s=0.8, on_event=lambda ev: True)
+    assert r.status == "timeout" and r.wall_s < 4
+
+
+def test_refuses_without_network_isolation(monkeypatch):
+    monkeypatch.setattr(sandbox, "_probed", {**sandbox.isolation(), "network": None})
+    with pytest.raises(sandbox.SandboxError, match="allow_unisolated"):
+        sandbox.run_program("print(1)", timeout_s=2, memory_mb=512)
+
+
+def test_parallel_runs_keep_order():
+    t = time.monotonic()
+    out = sandbox.map_parallel(lambda i: run(f"print({i})").stdout, range(6), workers=2)
+    assert out == [f"{i}\n" for i in range(6)] and time.monotonic() - t < 20
+
+
+def test_malicious_pickled_tests_are_refused():
+    """A private_test_cases payload that would run code when unpickled: refused by the loader, the row
+    reported as Skipped by id, and the code never runs."""
+    import base64
+    import pickle
+    import zlib
+
+    from tasks.livecodebench import livecodebench as lcb
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch /tmp/evalkit-pwned",))
+
+    payload = base64.b64encode(zlib.compress(pickle.dumps(Evil()))).decode()
+    with pytest.raises(pickle.UnpicklingError, match="refused to load"):
+        lcb.decode_tests(payload)
+    row = {"question_id": "evil_1", "contest_date": "2024-01-01T00:00:00", "difficulty": "easy",
+           "question_content": "q", "starter_code": "", "platform": "atcoder", "metadata": "{}",
+           "public_test_cases": "[]", "private_test_cases": payload}  # fmt: skip
+    item = lcb._parse(row, 0)
+    assert item.id == "evil_1" and "refused to load posix.system" in item.reason
+    assert not os.path.exists("/tmp/evalkit-pwned")
