@@ -17,7 +17,7 @@ import importlib
 import json
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from lm_eval.api.registry import register_model
@@ -76,7 +76,6 @@ class Prompt:
     followup: str | None = (
         None  # "module:function" making a second call from the first output (LongBench CoT)
     )
-    stats: dict = field(default_factory=dict)
 
 
 @register_model("evalkit")
@@ -91,6 +90,7 @@ class EvalkitLM(HFLM):
         batch_size=1,
         max_length=None,
         journal=None,
+        also=(),
         seed: int = 0,
         hf_model=None,
         tokenizer=None,
@@ -111,6 +111,7 @@ class EvalkitLM(HFLM):
                 method, **({"budget": budget} if budget is not None else {}), **method_settings
             )
         self.kv_method, self.spec, self.seed, self.journal = method, spec, seed, journal
+        self.also = list(also)  # [(method, journal)]: other budgets generated from the same prefills
         super().__init__(
             pretrained=hf_model,
             tokenizer=tokenizer,
@@ -119,8 +120,8 @@ class EvalkitLM(HFLM):
         )
 
     # --- the hook lm-eval's HFLM calls: a fresh compressed cache per generate call -------------------------
-    def _model_generate(self, context, max_length=None, stop=None, **generation_kwargs):
-        cache = KVCache.for_model(self.kv_method, self.model)
+    def _model_generate(self, context, max_length=None, stop=None, cache=None, **generation_kwargs):
+        cache = cache if cache is not None else KVCache.for_model(self.kv_method, self.model)
         if stop:
             generation_kwargs["stopping_criteria"] = stop_sequences_criteria(
                 self.tokenizer, stop, context.shape[1], context.shape[0]
@@ -131,6 +132,7 @@ class EvalkitLM(HFLM):
 
     # --- generation requests ---------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Generate (or take from the journal) every request; with `also`, other budgets share each prefill."""
         results: list[str | None] = [None] * len(requests)
         todo: list[tuple[int, Prompt]] = []
         repeat = Counter()
@@ -138,32 +140,44 @@ class EvalkitLM(HFLM):
             base = f"{req.task_name}/{req.doc_id}/{req.idx}"
             prompt = self._prompt(req, f"{base}/{repeat[base]}")  # lm-eval repeats a request k times
             repeat[base] += 1
-            done = self.journal.get(prompt.key) if self.journal else None
-            if done is not None:
-                if done["prompt_hash"] != prompt_hash(prompt.text):
-                    raise RuntimeError(
-                        f"{self.journal.path}: request {prompt.key} was generated from a different prompt; "
-                        "the task data changed since this run started. Delete the run folder to start over."
-                    )
+            done = self._journaled(self.journal, prompt)
+            if done is not None and all(self._journaled(j, prompt) is not None for _, j in self.also):
                 results[i] = done["text"]
             else:
                 todo.append((i, prompt))
-        bar = tqdm(
-            total=len(requests),
-            initial=len(requests) - len(todo),
-            desc=f"{self.kv_method.name} {getattr(self.kv_method, 'budget', None) or ''}".strip(),
-            unit="req",
-            disable=disable_tqdm,
-        )
+        bar = tqdm(total=len(requests), initial=len(requests) - len(todo), desc=self._label(), unit="req",
+                   disable=disable_tqdm)  # fmt: skip
         for batch in self._batches(todo):
-            for (i, prompt), text in zip(batch, self._run([p for _, p in batch])):
+            prompts = [p for _, p in batch]
+            shared = len(self.also) > 0 and prompts[0].followup is None
+            texts, stats, record = self._run(prompts, self.kv_method, record=shared)
+            for (i, p), text, st in zip(batch, texts, stats):
                 results[i] = text
                 if self.journal:
-                    self.journal.append(self._record(prompt, text))
-                bar.update(1)
-                bar.set_postfix(tok_s=f"{prompt.stats.get('tokens_per_s', 0):.1f}")
+                    self.journal.append(self._record(p, text, st))
+            for method, journal in self.also:  # the sweep's other budgets: same prompts, prefill replayed
+                if all(self._journaled(journal, p) is not None for p in prompts):
+                    continue
+                other_texts, other_stats, _ = self._run(prompts, method, replay=record)
+                for p, text, st in zip(prompts, other_texts, other_stats):
+                    journal.append(self._record(p, text, st))
+            bar.update(len(batch))
+            bar.set_postfix(gen_tok_s=f"{stats[-1].get('tokens_per_s', 0):.1f}")
         bar.close()
         return results
+
+    def _journaled(self, journal, prompt: Prompt) -> dict | None:
+        done = journal.get(prompt.key) if journal else None
+        if done is not None and done["prompt_hash"] != prompt_hash(prompt.text):
+            raise RuntimeError(
+                f"{journal.path}: request {prompt.key} was generated from a different prompt; the task data "
+                "changed since this run started. Delete the run folder to start over."
+            )
+        return done
+
+    def _label(self) -> str:
+        budgets = [getattr(m, "budget", None) for m in [self.kv_method, *(m for m, _ in self.also)]]
+        return f"{self.kv_method.name} {','.join(str(b) for b in budgets if b is not None)}".strip()
 
     def _prompt(self, req, key: str) -> Prompt:
         context, gen = req.args[0], dict(req.args[1])
@@ -189,41 +203,42 @@ class EvalkitLM(HFLM):
             for start in range(0, len(items), size):
                 yield items[start : start + size]
 
-    def _run(self, prompts: list[Prompt]) -> list[str]:
-        texts = self._generate(prompts)
+    def _run(self, prompts: list[Prompt], method, record=False, replay=None):
+        """(texts, stats, prefill record) for a batch; a follow-up call (LongBench CoT) runs after the first."""
+        texts, stats, rec = self._generate(prompts, method, record, replay)
         if prompts[0].followup is None:
-            return texts
+            return texts, stats, rec
         module, name = prompts[0].followup.split(":")
         make = getattr(importlib.import_module(module), name)
         second = []
         for p, first in zip(prompts, texts):
             s = make(p.sample, first)
             second.append(Prompt(p.key, render(self.tokenizer, s), s.max_new_tokens, p.gen, s))
-        finals = self._generate(second)
-        for p, s, first in zip(prompts, second, texts):
-            p.stats["followup"] = s.stats
-            p.stats["first_output"] = first
-        return finals
+        finals, second_stats, _ = self._generate(second, method)
+        for st, st2, first in zip(stats, second_stats, texts):
+            st.update(followup=st2, first_output=first)
+        return finals, stats, rec
 
-    def _generate(self, prompts: list[Prompt]) -> list[str]:
-        """One batched generate call; fills each prompt's stats; returns the continuations."""
-        ids = [self._encode(p) for p in prompts]
-        max_new = max(p.max_new for p in prompts)
-        width = max(len(x) for x in ids)
-        pad = self.tokenizer.pad_token_id
+    def _generate(self, prompts: list[Prompt], method, record=False, replay=None):
+        """One batched generate call with a fresh cache of `method`: (texts, per-prompt stats, record)."""
+        from evalkit.kv.prefill import PrefillRecord, shared_prefill
+
+        encoded = [self._encode(p) for p in prompts]
+        ids = [x for x, _ in encoded]
+        width, pad, eos = max(len(x) for x in ids), self.tokenizer.pad_token_id, self._eos_ids()
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=self.device)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=self.device)
-        eos = self._eos_ids()
-        config = generation_config(prompts[0].gen, max_new, eos, pad)
+        config = generation_config(prompts[0].gen, max(p.max_new for p in prompts), eos, pad)
         until = [s for s in prompts[0].gen.get("until", []) or [] if s]
+        rec = PrefillRecord(window=max(32, getattr(method, "window", 0))) if record else None
+        cache = KVCache.for_model(method, self.model, record=rec, replay=replay)
         torch.manual_seed(int(hashlib.sha256(f"{self.seed}/{prompts[0].key}".encode()).hexdigest()[:8], 16))
         start = time.perf_counter()
-        with torch.inference_mode():
-            out = self._model_generate(
-                input_ids, stop=until or None, attention_mask=mask, generation_config=config
-            )
+        with torch.inference_mode(), shared_prefill(self.model):
+            out = self._model_generate(input_ids, stop=until or None, attention_mask=mask,
+                                       generation_config=config, cache=cache)  # fmt: skip
         wall = time.perf_counter() - start
-        texts = []
+        texts, stats = [], []
         for r, p in enumerate(prompts):
             toks = out[r, width:].tolist()[: p.max_new]
             ended = next((j for j, t in enumerate(toks) if t in eos), None)
@@ -234,40 +249,43 @@ class EvalkitLM(HFLM):
             if p.text.endswith("<think>\n"):  # R1-style templates open the thinking block in the prompt
                 text = "<think>\n" + text
             row = self.last_cache_stats["rows"][r]
-            p.stats.update(
-                prompt_tokens=len(ids[r]),
-                output_tokens=len(toks),
-                hit_limit=ended is None and len(toks) >= p.max_new,
-                wall_s=wall / len(prompts),
-                tokens_per_s=sum(len(x) for x in ids) / max(wall, 1e-9),
-                kv_slots=self.last_cache_stats["slots"],
-                kv_bytes=row["bytes"],
-                kv_seen=row["seen"],
-                kv_kept=row["kept"],
-                kv_evicted_generated=row["evicted_generated"],
-            )
             texts.append(text)
-        return texts
+            stats.append(
+                dict(
+                    prompt_tokens=len(ids[r]),
+                    truncated=encoded[r][1],
+                    output_tokens=len(toks),
+                    hit_limit=ended is None and len(toks) >= p.max_new,
+                    wall_s=wall / len(prompts),
+                    tokens_per_s=(out.shape[1] - width) * len(prompts) / max(wall, 1e-9),  # generated, batch
+                    prefill_replayed=replay is not None,
+                    kv_slots=self.last_cache_stats["slots"],
+                    kv_bytes=row["bytes"],
+                    kv_seen=row["seen"],
+                    kv_kept=row["kept"],
+                    kv_evicted_generated=row["evicted_generated"],
+                )
+            )
+        return texts, stats, rec
 
-    def _encode(self, p: Prompt) -> list[int]:
-        """Token ids; a prompt longer than the context (minus generation room) is cut in the middle, counted."""
+    def _encode(self, p: Prompt) -> tuple[list[int], bool]:
+        """(token ids, truncated): a prompt longer than the context minus generation room is cut in the middle."""
         ids = self.tokenizer(p.text, add_special_tokens=p.sample is None)["input_ids"]
         room = self.max_length - p.max_new
         if room < 1:
             raise ValueError(
                 f"{p.key}: max_new_tokens {p.max_new} leaves no room in the context {self.max_length}"
             )
-        p.stats["truncated"] = len(ids) > room
-        if len(ids) > room:  # keep the instructions (head) and the question (tail), as LongBench does
-            ids = ids[: room // 2] + ids[len(ids) - (room - room // 2) :]
-        return ids
+        if len(ids) <= room:
+            return ids, False
+        return ids[: room // 2] + ids[len(ids) - (room - room // 2) :], True  # keep instructions and question
 
     def _eos_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
         eos = list(eos) if isinstance(eos, list | tuple) else [eos] if eos is not None else []
         return sorted({*eos, self.tokenizer.eos_token_id} - {None})
 
-    def _record(self, p: Prompt, text: str) -> dict:
+    def _record(self, p: Prompt, text: str, stats: dict) -> dict:
         task, doc_id, idx, rep = p.key.rsplit("/", 3)
         return {
             "key": p.key,
@@ -277,5 +295,5 @@ class EvalkitLM(HFLM):
             "id": p.sample.id if p.sample else None,
             "prompt_hash": prompt_hash(p.text),
             "text": text,
-            "stats": p.stats,
+            "stats": stats,
         }

@@ -11,14 +11,13 @@ import importlib
 import json
 import logging
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from evalkit.config import CONF_DIR, ConfigError, check_choice, group_config, make_method, model_spec
 from evalkit.models import ModelLoadError
@@ -115,36 +114,49 @@ def load_data(p: Plan, tokenizer_source: str, context: int):
         raise DataError(f"task {p.cfg.task.name}: {e}") from None
 
 
-def evaluate(p: Plan) -> tuple[dict, list[dict]]:
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager, get_task_dict
-
+def evaluate(plans: list[Plan]) -> list[tuple[dict, list[dict]]]:
+    """Evaluate one or more budgets of one method; every budget after the first replays the first's prefills."""
     from evalkit.lm import EvalkitLM
     from evalkit.models import context_limit, tokenizer_path
 
+    p = plans[0]
     source = tokenizer_path(p.spec)
     context = context_limit(p.spec, source)
     loaded, load_kwargs = load_data(p, source, context)  # data problems surface before the model loads
     setup = configure_task(p)
     model, tokenizer = get_model(p.spec)
-    journal = Journal(p.out / "generations.jsonl")
-    lm = EvalkitLM(model=p.spec, method=p.method, hf_model=model, tokenizer=tokenizer, journal=journal,
-                   batch_size=p.cfg.batch_size, max_length=context, seed=p.cfg.seed)  # fmt: skip
+    journals = [Journal(q.out / "generations.jsonl") for q in plans]
+    common = dict(model=p.spec, hf_model=model, tokenizer=tokenizer, batch_size=p.cfg.batch_size,
+                  max_length=context, seed=p.cfg.seed)  # fmt: skip
+    also = [(q.method, j) for q, j in zip(plans[1:], journals[1:])]
+    results = []
+    for i, (q, journal) in enumerate(zip(plans, journals)):
+        # the first pass generates every budget (one prefill each prompt); later passes only score their journals
+        lm = EvalkitLM(method=q.method, journal=journal, also=also if i == 0 else (), **common)
+        logged = lm_eval_samples(q, lm, load_kwargs)
+        metrics, samples = summarize(q, loaded, logged, journal, model)
+        if setup is not None:
+            metrics["task_setup"] = setup
+        results.append((metrics, samples))
+    for journal in journals:
+        journal.close()
+    return results
+
+
+def lm_eval_samples(p: Plan, lm, load_kwargs: dict) -> list[dict]:
+    """Run the task's lm-eval YAML with evalkit's model; lm-eval's logged per-sample results."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager, get_task_dict
+
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=load_kwargs)
     tasks = get_task_dict([p.cfg.task.lm_eval_task], manager)
     for task in tasks.values():
         task.config.repeats = int(p.cfg.task.repeats)
-    start = time.perf_counter()
     result = simple_evaluate(
         model=lm, tasks=list(tasks.values()), limit=p.cfg.limit, log_samples=True, bootstrap_iters=0,
         gen_kwargs=OmegaConf.to_container(p.cfg.task.generation) or None, task_manager=manager,
     )  # fmt: skip
-    journal.close()
-    logged = result["samples"][p.cfg.task.lm_eval_task]
-    metrics, samples = summarize(p, loaded, logged, journal, time.perf_counter() - start, model)
-    if setup is not None:
-        metrics["task_setup"] = setup
-    return metrics, samples
+    return result["samples"][p.cfg.task.lm_eval_task]
 
 
 def configure_task(p: Plan) -> dict | None:
@@ -159,17 +171,32 @@ def configure_task(p: Plan) -> dict | None:
         raise ConfigError(f"task {p.cfg.task.name} setup: {e}") from None
 
 
-def run(cfg: DictConfig) -> dict:
-    p = plan(cfg)
-    if check_resume(p):
-        print(f"evalkit: {p.out} is complete; skipping (delete it to rerun)")
-        metrics = json.loads((p.out / "metrics.json").read_text())
-    else:
-        metrics, samples = evaluate(p)
-        atomic_write(p.out / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
-        write_json(p.out / "metrics.json", metrics)
-    print_table(metrics)
-    return metrics
+def plans_for(cfg: DictConfig) -> list[Plan]:
+    """One plan per budget: `method.budget=[64,128,256]` evaluates several budgets with one prefill each prompt."""
+    budgets = cfg.method.get("budget")
+    if not isinstance(budgets, ListConfig):
+        return [plan(cfg)]
+    out: dict[Path, Plan] = {}
+    for b in budgets:
+        q = plan(OmegaConf.merge(cfg, {"method": {"budget": b}}))
+        out.setdefault(q.out, q)  # `full` ignores budgets: one run
+    return list(out.values())
+
+
+def run(cfg: DictConfig) -> list[dict]:
+    plans = plans_for(cfg)
+    todo = [p for p in plans if not check_resume(p)]
+    if todo:
+        for p, (metrics, samples) in zip(todo, evaluate(todo)):
+            atomic_write(p.out / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
+            write_json(p.out / "metrics.json", metrics)
+    all_metrics = []
+    for p in plans:
+        if p not in todo:
+            print(f"evalkit: {p.out} is complete; skipping (delete it to rerun)")
+        all_metrics.append(json.loads((p.out / "metrics.json").read_text()))
+        print_table(all_metrics[-1])
+    return all_metrics
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")

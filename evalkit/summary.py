@@ -52,7 +52,8 @@ def kv_summary(gens: list[dict], model_config) -> dict:
     }
 
 
-def generation_summary(gens: list[dict], wall: float) -> dict:
+def generation_summary(gens: list[dict]) -> dict:
+    """Wall time is the generation time of this run's own requests (a budget sweep shares prefills)."""
     tokens = sum(g["output_tokens"] for g in gens)
     return {
         "requests": len(gens),
@@ -61,11 +62,12 @@ def generation_summary(gens: list[dict], wall: float) -> dict:
         "mean_prompt_tokens": _mean(g["prompt_tokens"] for g in gens),
         "hit_limit": sum(bool(g["hit_limit"]) for g in gens),
         "truncated_prompts": sum(bool(g.get("truncated")) for g in gens),
-        "wall_time_s": round(wall, 3),
+        "wall_time_s": round(sum(g["wall_s"] for g in gens), 3),
+        "prefills_replayed": sum(bool(g.get("prefill_replayed")) for g in gens),
     }
 
 
-def summarize(plan, loaded, logged: list[dict], journal, wall: float, model) -> tuple[dict, list[dict]]:
+def summarize(plan, loaded, logged: list[dict], journal, model) -> tuple[dict, list[dict]]:
     cfg, method = plan.cfg, plan.method
     rows = sample_rows(logged, journal)
     gens = [g for r in rows for g in r["generation"]]
@@ -88,7 +90,7 @@ def summarize(plan, loaded, logged: list[dict], journal, wall: float, model) -> 
         "data": {"source": loaded.source, "hash": loaded.data_hash, "stats": loaded.stats},
         "scores": aggregate([r["scores"] for r in rows]),
         "kv": kv_summary(gens, model.config.get_text_config()),
-        "generation": generation_summary(gens, wall),
+        "generation": generation_summary(gens),
         "batch_size": cfg.batch_size,
         "provenance": {
             "git_sha": git_sha(),
@@ -108,7 +110,9 @@ def print_table(m: dict) -> None:
         f"\n{m['task']} | {m['model']['name']} | {m['method']['name']} budget={budget} | n={m['n']} ({m['data']['source']})"
     )
     # headline first, then one level of breakdown; task@length cells and the rest stay in metrics.json
-    keys = sorted((k for k in m["scores"] if "@" not in k), key=lambda k: (k != head, k.count("/"), k))
+    keys = sorted(
+        (k for k in m["scores"] if "@" not in k.partition("/")[2]), key=lambda k: (k != head, k.count("/"), k)
+    )
     width = max(len(k) for k in keys) if keys else 10
     for k in keys:
         v = m["scores"][k]

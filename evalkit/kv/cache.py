@@ -128,6 +128,8 @@ class KVLayer(CacheLayerMixin):
         """Keep the method's selection of the prompt. query (B, H_q, T, D) post-RoPE; attn_keys as attention saw them."""
         keys, values = self.pending
         self.pending = None
+        if self.cache.record is not None:
+            self.cache.record.add(self.layer_idx, keys, values, query, attn_keys, attention_mask, scaling)
         rows = self.cache.prefill_rows(attention_mask, keys.shape[0], keys.shape[2], keys.device)
         b, h = keys.shape[:2]
         pos = rows.base_pos[:, None, :].expand(b, h, rows.n).clone()  # (B, H, n)
@@ -191,8 +193,9 @@ class KVCache(Cache):
     needs for scoring. `stats()` reports, per layer, tokens seen, kept and evicted and the bytes held.
     """
 
-    def __init__(self, method, num_layers: int, attn_name: str = "evalkit"):
+    def __init__(self, method, num_layers: int, attn_name: str = "evalkit", record=None, replay=None):
         self.method, self.attn_name = method, attn_name
+        self.record, self.replay = record, replay  # evalkit.kv.prefill: share one prefill across budgets
         self.rows: Rows | None = None
         self.seen = 0  # columns seen, pads included
         self.step = 0  # decode forwards
@@ -203,9 +206,9 @@ class KVCache(Cache):
         super().__init__(layers=[KVLayer(self, i) for i in range(num_layers)])
 
     @classmethod
-    def for_model(cls, method, model) -> KVCache:
+    def for_model(cls, method, model, record=None, replay=None) -> KVCache:
         config = model.config.get_text_config()
-        return cls(method, config.num_hidden_layers, model.config._attn_implementation)
+        return cls(method, config.num_hidden_layers, model.config._attn_implementation, record, replay)
 
     # --- prefill --------------------------------------------------------------------------------------------
     def prefill_rows(self, attention_mask, b: int, t: int, device) -> Rows:

@@ -1,0 +1,70 @@
+"""One prefill for many budgets gives results identical to separate runs (API level and through the runner)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from evalkit.kv import KVCache, SnapKV, SnapStream, StreamingLLM
+from evalkit.kv.prefill import PrefillRecord, shared_prefill
+from tests.conftest import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def gen(model, ids, cache, sample):
+    torch.manual_seed(11)
+    with torch.no_grad(), shared_prefill(model):
+        return model.generate(
+            ids, cache=cache, max_new_tokens=40, min_new_tokens=40, do_sample=sample, top_k=0,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("sample", [False, True])
+def test_replayed_prefill_equals_a_separate_prefill(arch, sample):
+    model = tiny_model(arch, seed=8)
+    ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(9))
+    first = SnapStream(budget=48, recent=8, window=8)
+    record = PrefillRecord(window=32)
+    gen(model, ids, KVCache.for_model(first, model, record=record), sample)
+    assert len(record.layers) == model.config.num_hidden_layers and record.logits is not None
+    for method in (
+        SnapStream(budget=96, recent=16, window=8),
+        SnapKV(budget=64, window=16),
+        StreamingLLM(budget=40),
+    ):
+        alone = gen(model, ids, KVCache.for_model(method, model), sample)
+        replay_cache = KVCache.for_model(method, model, replay=record)
+        replayed = gen(model, ids, replay_cache, sample)
+        assert torch.equal(alone.sequences, replayed.sequences), method
+        assert all(torch.equal(a, b) for a, b in zip(alone.logits, replayed.logits)), method
+        assert replay_cache.stats()["slots"] >= method.budget
+
+
+def test_budget_list_equals_separate_runs(tmp_path):
+    base = [sys.executable, "-m", "evalkit", "model=tiny_llama", "task.load.n=1", "task.load.lengths=[1024]",
+            "method=snapstream"]  # fmt: skip
+    for args, results in ((["method.budget=[64,128]"], "shared"), (["method.budget=64"], "alone"),
+                          (["method.budget=128"], "alone")):  # fmt: skip
+        proc = subprocess.run([*base, *args, f"results_dir={tmp_path / results}"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    for budget in ("64", "128"):
+        folder = {d: tmp_path / d / "runs/ruler/tiny_llama/snapstream" / budget for d in ("shared", "alone")}
+        a, b = (json.loads((folder[d] / "metrics.json").read_text()) for d in ("shared", "alone"))
+        assert a["scores"] == b["scores"] and a["n"] == b["n"] == 6
+        assert {k: v for k, v in a["kv"].items()} == b["kv"]
+        rows = {
+            d: [json.loads(x) for x in (folder[d] / "samples.jsonl").read_text().splitlines()] for d in folder
+        }
+        assert [r["predictions"] for r in rows["shared"]] == [r["predictions"] for r in rows["alone"]]
+        assert (folder["shared"] / "config.yaml").read_text().replace(str(tmp_path / "shared"), "X") == (
+            folder["alone"] / "config.yaml"
+        ).read_text().replace(str(tmp_path / "alone"), "X")
+    replayed = json.loads((tmp_path / "shared/runs/ruler/tiny_llama/snapstream/128/metrics.json").read_text())
+    assert replayed["generation"]["prefills_replayed"] == 6
