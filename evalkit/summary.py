@@ -47,6 +47,8 @@ def kv_summary(gens: list[dict], model_config) -> dict:
         "mean_kept_entries": _mean(g["kv_kept"] for g in gens),
         "peak_bytes": peak.get("kv_bytes"),
         "peak_entries": peak.get("kv_slots"),
+        "peak_prompt_tokens": peak.get("prompt_tokens"),  # of the request at the peak: lets the memory
+        "peak_seen_tokens": peak.get("kv_seen"),  # report predict its entries from lengths alone
         "evicted_generated_mean": _mean(g["kv_evicted_generated"] for g in gens),
         "cache_layout": "latent" if latent else "per_head",
     }

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -37,6 +38,27 @@ def sha256_bytes(data: bytes) -> str:
 
 def sha256_rows(rows: list[dict]) -> str:
     return sha256_bytes(json.dumps(rows, sort_keys=True, ensure_ascii=False).encode())
+
+
+def unique(items: Iterable[Sample | Skipped], what: str = "id") -> tuple[list[Sample], list[Skipped]]:
+    """Samples in input order, and the rows set aside: malformed ones and repeats of an id."""
+    samples, skipped, seen = [], [], set()
+    for item in items:
+        if isinstance(item, Sample) and item.id in seen:
+            item = Skipped(item.id, f"duplicate {what}")
+        if isinstance(item, Skipped):
+            skipped.append(item)
+            continue
+        seen.add(item.id)
+        samples.append(item)
+    return samples, skipped
+
+
+def subsample(items: list, n: int | None, seed: int) -> list:
+    """A seeded random subset of `n` items kept in input order (all of them when n is None or too large)."""
+    if n is None or n >= len(items):
+        return items
+    return [items[i] for i in sorted(random.Random(seed).sample(range(len(items)), n))]
 
 
 @cache

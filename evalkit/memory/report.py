@@ -135,10 +135,19 @@ def paper_check(dep: Deployment, cfg: dict) -> list[dict[str, Any]]:
     return out
 
 
+def run_entries(method: str, budget: int | None, prompt: int, seen: int) -> int:
+    """Slots an evalkit cache holds after `seen` tokens of which `prompt` were the prompt: fixed-size
+    caches hold B (static shape), full every token, snapkv min(prompt, B) then every decoded token."""
+    if method == "full":
+        return seen
+    if method == "snapkv":
+        return min(prompt, int(budget)) + (seen - prompt)
+    return int(budget)
+
+
 def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
-    """Predicted KV bytes for each executed run next to the cache's reported peak. Fixed-size caches
-    are predicted from the budget alone; growing ones (full, snapkv) from the run's peak entries, since
-    metrics.json does not carry the prompt and generation lengths."""
+    """Predicted KV bytes for each executed run next to the cache's reported peak, from the model config,
+    dtype, budget and the peak request's prompt and decoded lengths (never from the measured entries)."""
     rows, notes = [], []
     root = Path(results_dir) / "runs"
     for path in sorted(root.glob("**/metrics.json")):
@@ -153,12 +162,15 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
             notes.append(f"{rel}: skipped ({type(e).__name__}: {e})")
             continue
         fixed = method in FIXED_SIZE
-        entries = int(budget) if fixed and budget is not None else peak_entries
+        if kv.get("peak_seen_tokens") is not None:
+            entries = run_entries(method, budget, int(kv["peak_prompt_tokens"]), int(kv["peak_seen_tokens"]))
+        else:  # older metrics.json: growing caches can only be checked per entry
+            entries = int(budget) if fixed and budget is not None else peak_entries
         predicted = geo.bytes_per_entry * entries
         rows.append({
             "run": rel, "task": m.get("task"), "model": m["model"].get("name"), "method": method,
             "budget": budget, "cache_layout": geo.layout, "dtype": dtype,
-            "bytes_per_entry": geo.bytes_per_entry, "entries_from": "budget" if fixed else "run",
+            "bytes_per_entry": geo.bytes_per_entry, "entries_from": "budget" if fixed else "lengths",
             "predicted_entries": entries, "measured_entries": peak_entries,
             "predicted_bytes": predicted, "measured_bytes": peak_bytes,
             "match": predicted == peak_bytes and entries == peak_entries,

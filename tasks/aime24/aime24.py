@@ -9,13 +9,12 @@ the k samples and cons@k their majority vote, as in the R1 paper.
 from __future__ import annotations
 
 import json
-import random
 import re
 from collections import Counter
 from pathlib import Path
 
 from evalkit.sample import Sample, Skipped
-from evalkit.task import Loaded, keep_all, lm_eval_hooks, sha256_bytes
+from evalkit.task import Loaded, keep_all, lm_eval_hooks, sha256_bytes, subsample, unique
 
 TASK = "aime24"
 REPO = "HuggingFaceH4/aime_2024"
@@ -121,20 +120,8 @@ def load(source="sample", n=None, seed=0, **_) -> Loaded:
     """AIME samples (no system prompt, no prefill: R1 chat templates add `<think>\\n` themselves).
     With n, a seeded random subset is kept in file order."""
     rows, tag, digest = _read(source)
-    samples, skipped, seen = [], [], set()
-    for i, row in enumerate(rows):
-        item = _parse(row, i)
-        if isinstance(item, Sample) and item.id in seen:
-            item = Skipped(item.id, "duplicate id")
-        if isinstance(item, Skipped):
-            skipped.append(item)
-            continue
-        seen.add(item.id)
-        samples.append(item)
-    if n is not None and n < len(samples):
-        keep = sorted(random.Random(seed).sample(range(len(samples)), n))
-        samples = [samples[i] for i in keep]
-    return Loaded(samples, tag, digest, skipped)
+    samples, skipped = unique(_parse(row, i) for i, row in enumerate(rows))
+    return Loaded(subsample(samples, n, seed), tag, digest, skipped)
 
 
 def score(predictions: list[str], sample: Sample) -> dict[str, float]:

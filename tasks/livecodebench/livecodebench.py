@@ -21,14 +21,13 @@ import hashlib
 import io
 import json
 import pickle
-import random
 import re
 import zlib
 from datetime import datetime
 from pathlib import Path
 
 from evalkit.sample import Sample, Skipped
-from evalkit.task import Loaded, keep_all, lm_eval_hooks
+from evalkit.task import Loaded, keep_all, lm_eval_hooks, subsample, unique
 from tasks.livecodebench.grade import OUTCOMES, Cases, configure, extract_code, grade_many, pass_at_k
 
 TASK = "livecodebench"
@@ -170,14 +169,8 @@ def _day(value) -> datetime | None:
     return None if value in (None, "") else datetime.strptime(str(value), "%Y-%m-%d")
 
 
-def load(source="sample", n=None, seed=0, release="release_v6", start_date=None, end_date=None,
-         max_new_tokens=2000, **_) -> Loaded:  # fmt: skip
-    """Problems sorted by question_id (upstream's order). `release` selects hub shards or the shard files of
-    a local directory (the bundled sample and a local file are read whole); the date window applies to all.
-    With n, a seeded random subset is kept in that order."""
-    paths, tag = _files(source, release)
-    start, end = _day(start_date), _day(end_date)
-    digest, samples, skipped, seen, outside = hashlib.sha256(), [], [], set(), 0
+def _rows(paths, start, end, digest, outside: list):
+    """Parsed rows (Sample or Skipped) of the shard files inside the date window; the others go to `outside`."""
     for path in paths:
         with open(path, "rb") as f:  # shards reach 1.25 GB: one row at a time
             for i, line in enumerate(f):
@@ -188,27 +181,28 @@ def load(source="sample", n=None, seed=0, release="release_v6", start_date=None,
                     row = json.loads(line)
                     date = datetime.fromisoformat(row["contest_date"])
                 except (ValueError, KeyError, TypeError) as e:
-                    reason = f"unreadable row: {type(e).__name__}: {e}"
-                    skipped.append(Skipped(f"{path.name}:{i + 1}", reason))
+                    yield Skipped(f"{path.name}:{i + 1}", f"unreadable row: {type(e).__name__}: {e}")
                     continue
                 if (start and date < start) or (end and date > end):
-                    outside += 1
+                    outside.append(i)
                     continue
-                item = _parse(row, i)
-                if isinstance(item, Sample) and item.id in seen:
-                    item = Skipped(item.id, "duplicate question_id")
-                if isinstance(item, Skipped):
-                    skipped.append(item)
-                    continue
-                seen.add(item.id)
-                item.max_new_tokens = max_new_tokens
-                samples.append(item)
-    samples.sort(key=lambda s: s.id)
-    if n is not None and n < len(samples):
-        keep = sorted(random.Random(seed).sample(range(len(samples)), n))
-        samples = [samples[i] for i in keep]
+                yield _parse(row, i)
+
+
+def load(source="sample", n=None, seed=0, release="release_v6", start_date=None, end_date=None,
+         max_new_tokens=2000, **_) -> Loaded:  # fmt: skip
+    """Problems sorted by question_id (upstream's order). `release` selects hub shards or the shard files of
+    a local directory (the bundled sample and a local file are read whole); the date window applies to all.
+    With n, a seeded random subset is kept in that order."""
+    paths, tag = _files(source, release)
+    digest, outside = hashlib.sha256(), []
+    rows = _rows(paths, _day(start_date), _day(end_date), digest, outside)
+    samples, skipped = unique(rows, "question_id")
+    for s in samples:
+        s.max_new_tokens = max_new_tokens
+    samples = subsample(sorted(samples, key=lambda s: s.id), n, seed)
     stats = {"release": release if source != "sample" else None, "start_date": start_date, "end_date": end_date,
-             "outside_window": outside}  # fmt: skip
+             "outside_window": len(outside)}  # fmt: skip
     return Loaded(samples, tag, digest.hexdigest(), skipped, stats)
 
 

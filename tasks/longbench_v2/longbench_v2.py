@@ -9,13 +9,12 @@ easy/hard/short/medium/long table and the 0.25 "compensated" credit from `result
 from __future__ import annotations
 
 import json
-import random
 import re
 from dataclasses import replace
 from pathlib import Path
 
 from evalkit.sample import Sample, Skipped
-from evalkit.task import Loaded, keep_all, lm_eval_hooks, sha256_bytes
+from evalkit.task import Loaded, keep_all, lm_eval_hooks, sha256_bytes, subsample
 
 TASK = "longbench_v2"
 REPO = "THUDM/LongBench-v2"
@@ -180,10 +179,9 @@ def load(
             continue
         seen.add(rid)
         valid.append(row)
-    if n is not None and n < len(valid):
-        keep = sorted(random.Random(seed).sample(range(len(valid)), n))
-        valid = [valid[i] for i in keep]
-    samples = [_sample(row, mode, tokenizer, max_len) for row in valid]  # tokenise only what is kept
+    samples = [
+        _sample(row, mode, tokenizer, max_len) for row in subsample(valid, n, seed)
+    ]  # tokenise only what is kept
     stats = {"truncated": sum(s.meta["truncated"] for s in samples), "mode": mode}
     stats["max_len"] = max_len if tokenizer is not None else None
     return Loaded(samples, tag, digest, skipped, stats)
