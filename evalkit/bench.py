@@ -315,12 +315,15 @@ def write_csv(path: Path, rows: list[dict]) -> None:
     pd.DataFrame(rows).to_csv(path, index=False)
 
 
-def summary(out: Path, res: dict, args) -> str:
+def summary(out: Path, res: dict, args, measured: set[str]) -> str:
     """The Markdown summary: each figure beside its target."""
     import pandas as pd
 
+    kept = sorted(set(res) - measured - {"memory", "profile"})
     lines = ["# evalkit bench (SmolLM2-135M, fp32, CPU)", "",
-             f"torch threads: {torch.get_num_threads()}; cores: {psutil.cpu_count()}; command: `python -m evalkit.bench {' '.join(args)}`", ""]  # fmt: skip
+             f"torch threads: {torch.get_num_threads()}; cores: {psutil.cpu_count()}; "
+             f"command: `python -m evalkit.bench {' '.join(args)}`; measured by it: {', '.join(sorted(measured))}"
+             + (f"; kept from earlier runs (their CSVs): {', '.join(kept)}" if kept else ""), ""]  # fmt: skip
 
     def table(title, rows, note):
         lines.extend([f"## {title}", "", note, "", pd.DataFrame(rows).to_markdown(index=False), ""])
@@ -400,10 +403,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             res["sweep"] = bench_sweep(Path(tmp), [128, 256, 512, 1024])
         write_csv(out / "sweep_prefill.csv", res["sweep"])
+    measured = set(res)
     for part, name in CSVS.items():  # parts not rerun this time keep their last measured figures
         if part not in res and (out / name).exists():
             res[part] = read_csv(out / name)
-    print(summary(out, res, [a for a in ("--quick" if quick else "", f"--only {args.only}") if a]))
+    print(summary(out, res, [a for a in ("--quick" if quick else "", f"--only {args.only}") if a], measured))
 
 
 if __name__ == "__main__":

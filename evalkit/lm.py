@@ -26,7 +26,7 @@ from lm_eval.models.utils_hf import stop_sequences_criteria
 from tqdm import tqdm
 from transformers import GenerationConfig
 
-from evalkit.kv import KVCache
+from evalkit.kv import Full, KVCache
 from evalkit.sample import Sample
 
 DOC_FIELDS = {"id", "task", "prompt", "answers", "max_new_tokens"}
@@ -59,6 +59,9 @@ def generation_config(gen: dict, max_new_tokens: int, eos: list[int], pad: int) 
     temperature = float(gen.get("temperature", 0.0) or 0.0)
     sample = bool(gen.get("do_sample", temperature > 0)) and temperature > 0
     settings = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, do_sample=sample)
+    # transformers fills fields left unset from the model's generation_config: pin the neutral values
+    settings.update(repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0,
+                    eta_cutoff=0.0, min_p=None, min_new_tokens=0)  # fmt: skip
     if sample:
         settings.update(
             temperature=temperature, top_p=float(gen.get("top_p", 1.0)), top_k=int(gen.get("top_k", 0))
@@ -110,6 +113,12 @@ class EvalkitLM(HFLM):
             method = make_method(
                 method, **({"budget": budget} if budget is not None else {}), **method_settings
             )
+        if not str(batch_size).isdigit() or int(batch_size) < 1:
+            from evalkit.config import ConfigError
+
+            raise ConfigError(
+                f"batch_size must be a positive integer (no 'auto': prompts are long), got {batch_size!r}"
+            )
         self.kv_method, self.spec, self.seed, self.journal = method, spec, seed, journal
         self.also = list(also)  # [(method, journal)]: other budgets generated from the same prefills
         super().__init__(
@@ -152,13 +161,15 @@ class EvalkitLM(HFLM):
             shared = len(self.also) > 0 and prompts[0].followup is None
             texts, stats, record = self._run(prompts, self.kv_method, record=shared)
             for (i, p), text, st in zip(batch, texts, stats):
-                results[i] = text
+                done = self._journaled(self.journal, p)  # resuming a budget list: keep what was scored before
+                results[i] = done["text"] if done is not None else text
                 if self.journal:
                     self.journal.append(self._record(p, text, st))
+            replay = record if record is not None and record.usable else None
             for method, journal in self.also:  # the sweep's other budgets: same prompts, prefill replayed
                 if all(self._journaled(journal, p) is not None for p in prompts):
                     continue
-                other_texts, other_stats, _ = self._run(prompts, method, replay=record)
+                other_texts, other_stats, _ = self._run(prompts, method, replay=replay)
                 for p, text, st in zip(prompts, other_texts, other_stats):
                     journal.append(self._record(p, text, st))
             bar.update(len(batch))
@@ -169,7 +180,9 @@ class EvalkitLM(HFLM):
     def _journaled(self, journal, prompt: Prompt) -> dict | None:
         done = journal.get(prompt.key) if journal else None
         if done is not None and done["prompt_hash"] != prompt_hash(prompt.text):
-            raise RuntimeError(
+            from evalkit.config import ConfigError
+
+            raise ConfigError(
                 f"{journal.path}: request {prompt.key} was generated from a different prompt; the task data "
                 "changed since this run started. Delete the run folder to start over."
             )
@@ -182,9 +195,7 @@ class EvalkitLM(HFLM):
     def _prompt(self, req, key: str) -> Prompt:
         context, gen = req.args[0], dict(req.args[1])
         followup = gen.pop("evalkit_followup", None)
-        limit = int(gen.get("max_gen_toks", self.max_gen_toks))
-        if self.spec.max_new_tokens:  # the model conf's cap (the embedded CPU model): recorded with the run
-            limit = min(limit, self.spec.max_new_tokens)
+        limit = self._cap(int(gen.get("max_gen_toks", self.max_gen_toks)))
         doc = req.doc if isinstance(req.doc, dict) and set(req.doc) >= DOC_FIELDS else None
         if doc is None:  # a plain lm-eval task: lm-eval rendered the context
             return Prompt(key, context, limit, gen, followup=followup)
@@ -193,13 +204,22 @@ class EvalkitLM(HFLM):
             key, render(self.tokenizer, sample), min(sample.max_new_tokens, limit), gen, sample, followup
         )
 
+    def _cap(self, n: int) -> int:
+        """The model conf's cap on new tokens (the embedded CPU model), recorded with the run's config."""
+        return min(n, self.spec.max_new_tokens) if self.spec.max_new_tokens else n
+
     def _batches(self, todo):
-        """Batches of up to batch_size requests that share generation settings (lm-eval order kept)."""
+        """Batches of up to batch_size requests that share generation settings (lm-eval order kept).
+
+        Sampled requests run one per generate call: each is seeded from its own key, so its sample does not
+        depend on the batch it lands in, and a resumed run samples exactly what the interrupted one would."""
         groups: dict[str, list] = {}
         for item in todo:
             groups.setdefault(json.dumps(item[1].gen, sort_keys=True, default=str), []).append(item)
-        size = max(1, int(self.batch_size))
         for items in groups.values():
+            size = (
+                1 if generation_config(items[0][1].gen, 1, [0], 0).do_sample else max(1, int(self.batch_size))
+            )
             for start in range(0, len(items), size):
                 yield items[start : start + size]
 
@@ -213,10 +233,12 @@ class EvalkitLM(HFLM):
         second = []
         for p, first in zip(prompts, texts):
             s = make(p.sample, first)
-            second.append(Prompt(p.key, render(self.tokenizer, s), s.max_new_tokens, p.gen, s))
-        finals, second_stats, _ = self._generate(second, method)
+            second.append(Prompt(p.key, render(self.tokenizer, s), self._cap(s.max_new_tokens), p.gen, s))
+        # The answer call carries no document: upstream's compression only ever touched the first call, so
+        # evalkit runs it with a full cache at every budget (recorded as followup_method in the stats).
+        finals, second_stats, _ = self._generate(second, Full())
         for st, st2, first in zip(stats, second_stats, texts):
-            st.update(followup=st2, first_output=first)
+            st.update(followup=st2, first_output=first, followup_method="full")
         return finals, stats, rec
 
     def _generate(self, prompts: list[Prompt], method, record=False, replay=None):
@@ -230,7 +252,8 @@ class EvalkitLM(HFLM):
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=self.device)
         config = generation_config(prompts[0].gen, max(p.max_new for p in prompts), eos, pad)
         until = [s for s in prompts[0].gen.get("until", []) or [] if s]
-        rec = PrefillRecord(window=max(32, getattr(method, "window", 0))) if record else None
+        windows = [getattr(m, "window", 0) for m in (method, *(m for m, _ in self.also))]
+        rec = PrefillRecord(window=max(32, *windows)) if record else None
         cache = KVCache.for_model(method, self.model, record=rec, replay=replay)
         torch.manual_seed(int(hashlib.sha256(f"{self.seed}/{prompts[0].key}".encode()).hexdigest()[:8], 16))
         start = time.perf_counter()
@@ -254,12 +277,13 @@ class EvalkitLM(HFLM):
                 dict(
                     prompt_tokens=len(ids[r]),
                     truncated=encoded[r][1],
+                    max_new_tokens=p.max_new,
                     output_tokens=len(toks),
                     hit_limit=ended is None and len(toks) >= p.max_new,
                     wall_s=wall / len(prompts),
                     tokens_per_s=(out.shape[1] - width) * len(prompts) / max(wall, 1e-9),  # generated, batch
                     prefill_replayed=replay is not None,
-                    kv_slots=self.last_cache_stats["slots"],
+                    kv_slots=row["slots"],
                     kv_bytes=row["bytes"],
                     kv_seen=row["seen"],
                     kv_kept=row["kept"],
@@ -269,16 +293,21 @@ class EvalkitLM(HFLM):
         return texts, stats, rec
 
     def _encode(self, p: Prompt) -> tuple[list[int], bool]:
-        """(token ids, truncated): a prompt longer than the context minus generation room is cut in the middle."""
+        """(token ids, truncated) within the model context; may lower `p.max_new`.
+
+        Prompt + generation must fit the context. A short prompt with a long generation budget (AIME's 32k
+        tokens on an 8k model) has its generation capped ("capped by the model context"); a long prompt is cut
+        in the middle, keeping the instructions and the question (as LongBench does), and counted."""
         ids = self.tokenizer(p.text, add_special_tokens=p.sample is None)["input_ids"]
-        room = self.max_length - p.max_new
-        if room < 1:
-            raise ValueError(
-                f"{p.key}: max_new_tokens {p.max_new} leaves no room in the context {self.max_length}"
-            )
-        if len(ids) <= room:
+        ctx = self.max_length
+        if len(ids) + p.max_new <= ctx:
             return ids, False
-        return ids[: room // 2] + ids[len(ids) - (room - room // 2) :], True  # keep instructions and question
+        if len(ids) <= ctx // 2:
+            p.max_new = ctx - len(ids)
+            return ids, False
+        keep = max(ctx - p.max_new, ctx // 2)
+        p.max_new = min(p.max_new, ctx - keep)
+        return ids[: keep // 2] + ids[len(ids) - (keep - keep // 2) :], True
 
     def _eos_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id

@@ -64,17 +64,18 @@ class Journal:
 
     def _load(self) -> None:
         raw = self.path.read_text(encoding="utf-8")
-        lines = raw.split("\n")
         good = []
-        for line in lines:
+        for line in raw.split("\n"):
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # the torn last line of a killed run: that generation is simply redone
-            self.records.setdefault(rec["key"], rec)
-            good.append(line)
-        if len(good) != len([x for x in lines if x]):
-            atomic_write(self.path, "".join(g + "\n" for g in good))
+            if isinstance(rec, dict) and "key" in rec and rec["key"] not in self.records:
+                self.records[rec["key"]] = rec
+                good.append(line)
+        clean = "".join(g + "\n" for g in good)
+        if clean != raw:  # drop torn or foreign lines and end on a newline before appending again
+            atomic_write(self.path, clean)
 
     def get(self, key: str) -> dict | None:
         return self.records.get(key)

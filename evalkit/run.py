@@ -57,18 +57,23 @@ def plan(cfg: DictConfig) -> Plan:
         log.info("%s keeps every entry: budget=%s does not apply", method_name, cfg.method.budget)
         cfg = OmegaConf.merge(cfg, {"method": {"budget": None}})
     method = make_method(cfg.method)
-    for key, ok in (("batch_size", lambda v: isinstance(v, int) and v >= 1),
-                    ("limit", lambda v: v is None or isinstance(v, int) and v >= 1),
-                    ("seed", lambda v: isinstance(v, int))):  # fmt: skip
-        if not ok(cfg.get(key)):
-            raise ConfigError(
-                f"{key} must be {'a positive integer' if key != 'seed' else 'an integer'}, got {cfg.get(key)!r}"
-            )
+    for key, value, ok, rule in (
+        ("batch_size", cfg.get("batch_size"), lambda v: isinstance(v, int) and v >= 1, "a positive integer"),
+        ("limit", cfg.get("limit"), lambda v: v is None or isinstance(v, int) and v >= 1, "null or a positive integer"),
+        ("seed", cfg.get("seed"), lambda v: isinstance(v, int), "an integer"),
+        ("task.repeats", cfg.task.get("repeats"), lambda v: isinstance(v, int) and v >= 1, "a positive integer"),
+    ):  # fmt: skip
+        if not ok(value):
+            raise ConfigError(f"{key} must be {rule}, got {value!r}")
     out = run_dir(cfg, method_name, group_config("method", method_name))
     try:
         task_module = importlib.import_module(cfg.task.module)
     except ImportError as e:
         raise ConfigError(f"task {cfg.task.name}: cannot import {cfg.task.module} ({e})") from None
+    if not isinstance(getattr(task_module, "VERSION", None), int):
+        raise ConfigError(
+            f"task module {cfg.task.module} must define VERSION (an int, bumped when prompts change)"
+        )
     return Plan(cfg, method, model_spec(cfg.model), task_module, out)
 
 
@@ -76,15 +81,17 @@ def check_resume(p: Plan) -> bool:
     """True if this run finished already. A folder holding another config is refused, never mixed."""
     saved = p.out / "config.yaml"
     want = config_yaml(p.cfg)
-    if saved.exists() and saved.read_text() != want:
+    if saved.exists() and _without_results_dir(saved.read_text()) != _without_results_dir(want):
         raise ConfigError(
             f"{p.out} holds a run with a different config (see its config.yaml). "
             "Use another results_dir, or delete that folder to redo it."
         )
-    if (p.out / "metrics.json").exists():
-        return True
-    atomic_write(saved, want)
-    return False
+    return (p.out / "metrics.json").exists()
+
+
+def _without_results_dir(config_text: str) -> str:
+    """Where the results live is not part of what was run: a moved results folder still resumes."""
+    return "\n".join(line for line in config_text.splitlines() if not line.startswith("results_dir:"))
 
 
 def get_model(spec):
@@ -125,6 +132,8 @@ def evaluate(plans: list[Plan]) -> list[tuple[dict, list[dict]]]:
     loaded, load_kwargs = load_data(p, source, context)  # data problems surface before the model loads
     setup = configure_task(p)
     model, tokenizer = get_model(p.spec)
+    for q in plans:  # written once data and model are ready: a failed start leaves no folder behind
+        atomic_write(q.out / "config.yaml", config_yaml(q.cfg))
     journals = [Journal(q.out / "generations.jsonl") for q in plans]
     common = dict(model=p.spec, hf_model=model, tokenizer=tokenizer, batch_size=p.cfg.batch_size,
                   max_length=context, seed=p.cfg.seed)  # fmt: skip
@@ -176,6 +185,8 @@ def plans_for(cfg: DictConfig) -> list[Plan]:
     budgets = cfg.method.get("budget")
     if not isinstance(budgets, ListConfig):
         return [plan(cfg)]
+    if not budgets:
+        raise ConfigError("method.budget: an empty list names no run; give one budget or a non-empty list")
     out: dict[Path, Plan] = {}
     for b in budgets:
         q = plan(OmegaConf.merge(cfg, {"method": {"budget": b}}))

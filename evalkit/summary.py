@@ -33,6 +33,21 @@ def sample_rows(logged: list[dict], journal) -> list[dict]:
     return rows
 
 
+def model_source(spec) -> str:
+    """Where the weights came from, precisely enough to reload the same ones."""
+    from importlib import metadata
+
+    if spec.gguf:
+        version = metadata.version(spec.gguf["package"].replace("_", "-"))
+        return (f"gguf:{spec.gguf['package']}=={version}/{spec.gguf['file']} "
+                f"(dequantised to {spec.dtype}; hub original {spec.id})")  # fmt: skip
+    if spec.random is not None:
+        return f"random:seed={spec.seed} (tokenizer {spec.tokenizer})"
+    if spec.path:
+        return f"local:{spec.path}"
+    return f"hub:{spec.id}@{spec.revision or 'main (unpinned: set model.revision for reproducible numbers)'}"
+
+
 def _mean(xs):
     xs = list(xs)
     return statistics.fmean(xs) if xs else None
@@ -76,11 +91,11 @@ def summarize(plan, loaded, logged: list[dict], journal, model) -> tuple[dict, l
     metrics = {
         "schema": 1,
         "task": cfg.task.name,
-        "task_version": getattr(plan.task_module, "VERSION", 1),
+        "task_version": plan.task_module.VERSION,
         "headline": cfg.task.headline,
         "model": {
             "name": cfg.model.name,
-            "id": cfg.model.get("path") or cfg.model.get("id"),
+            "source": model_source(plan.spec),
             "dtype": str(model.dtype).removeprefix("torch."),
             "hf_config": model.config.to_dict(),
         },

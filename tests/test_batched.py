@@ -17,6 +17,7 @@ METHODS = [
     StreamingLLM(budget=48),
     SnapKV(budget=64, window=8),
     SnapStream(budget=64, recent=16, window=8),
+    SnapStream(budget=64, recent=16, window=8, spare_slots="ring"),
 ]
 
 
@@ -28,7 +29,7 @@ def left_pad(prompts: list[torch.Tensor], pad: int = 0):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "deepseek_v3"])
-@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: f"{m.name}-{getattr(m, 'spare_slots', '')}")
 def test_batch_equals_single_rows(arch, method):
     model = tiny_model(arch, seed=1)
     g = torch.Generator().manual_seed(3)
@@ -40,6 +41,7 @@ def test_batch_equals_single_rows(arch, method):
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, cache=batch_cache, max_new_tokens=30, min_new_tokens=30,
                              do_sample=False)  # fmt: skip
+    alone_rows = []
     for r, p in enumerate(prompts):
         alone_cache = KVCache.for_model(method, model)
         with torch.no_grad():
@@ -52,6 +54,8 @@ def test_batch_equals_single_rows(arch, method):
             want = alone_cache.positions(layer)[0]
             for h in range(got.shape[0]):
                 assert set(got[h][got[h] >= 0].tolist()) == set(want[h][want[h] >= 0].tolist()), (layer, h)
+        alone_rows.append(alone_cache.row_stats()[0])
+    assert batch_cache.row_stats() == alone_rows  # per-row KV statistics equal a run of that row alone
 
 
 def test_smollm2_batch_equals_single(smollm2):

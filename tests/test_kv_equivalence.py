@@ -10,11 +10,18 @@ PROMPT, NEW = 60, 24
 
 
 def methods(budget: int):
+    """Every method with room for the prompt and all generated tokens.
+
+    SnapStream twice: with the spec's fixed ring (`spare_slots="pad"`) nothing is evicted only while the
+    prompt and generation fit in sink + ring (the unused top-K block stays masked padding); with
+    `spare_slots="ring"` a budget of prompt + generated tokens is enough.
+    """
     return [
         Full(),
         StreamingLLM(budget=budget, sink=4),
         SnapKV(budget=budget, window=8),
-        SnapStream(budget=budget, sink=4, window=8),
+        SnapStream(budget=2 * budget, sink=4, recent=budget, window=8),
+        SnapStream(budget=budget, sink=4, window=8, spare_slots="ring"),
     ]
 
 
@@ -49,6 +56,8 @@ def test_tiny_models_match_full(arch):
         diff = max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits))
         assert diff <= 1e-5, (method.name, diff)
         assert stats["evicted"] == 0, method.name
+        if method.ring:
+            assert stats["slots"] == method.budget  # static: the padded slots are allocated and masked
 
 
 def test_smollm2_matches_full(smollm2):

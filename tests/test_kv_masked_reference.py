@@ -53,6 +53,8 @@ def reference_model(model):
         ("llama", SnapKV(budget=24, window=8), 90),
         ("llama", SnapStream(budget=16, sink=4, recent=4, window=4), 5),  # shorter than sink + recent
         ("llama", SnapStream(budget=16, sink=4, recent=4, window=4), 2),  # shorter than the sinks
+        ("llama", SnapStream(budget=48, sink=4, recent=8, window=8), 30),  # middle shorter than top-K: padded
+        ("llama", SnapStream(budget=16, sink=4, recent=4, window=4, spare_slots="ring"), 5),
         ("deepseek_v3", SnapStream(budget=32, sink=4, recent=8, window=8), 90),
     ],
 )

@@ -75,7 +75,8 @@ def test_streamingllm_ring_keeps_sinks_and_recent():
 
 
 def test_short_prompts_pad_then_fill_then_wrap():
-    """Prompt shorter than sink + recent (and the budget): empty slots are masked until decode fills them."""
+    """Prompt shorter than sink + recent (and the budget), the spec's layout: the cache is the prompt itself,
+    the ring fills, then wraps; the top-K block stays masked padding."""
     model = tiny_model("llama")
     method = SnapStream(budget=16, sink=4, recent=4, window=4)
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(3))
@@ -87,8 +88,24 @@ def test_short_prompts_pad_then_fill_then_wrap():
     assert cache.stats()["kept"] == 5 and cache.stats()["slots"] == 16
     for _ in steps:
         pass
+    held = cache.positions(0)[0, 0].tolist()
+    assert held[:4] == [0, 1, 2, 3] and sorted(held[4:8]) == [31, 32, 33, 34] and held[8:] == [-1] * 8
+    assert cache.stats()["kept"] == 8 and cache.stats()["slots"] == 16
+    # while prompt + generated fit in sink + ring, the output equals the full cache's (4 tokens here)
+    full, _ = generate(model, ids, Full(), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    short, _ = generate(model, ids, method, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert torch.equal(full, short)
+
+
+def test_spare_slots_ring_keeps_short_prompts_whole():
+    """evalkit's option: the ring grows into the top-K slots a short prompt leaves free."""
+    model = tiny_model("llama")
+    method = SnapStream(budget=16, sink=4, recent=4, window=4, spare_slots="ring")
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(3))
+    cache = KVCache.for_model(method, model)
+    for _ in decode(model, cache, ids, 30):
+        pass
     assert sorted(cache.positions(0)[0, 0].tolist()) == [0, 1, 2, 3, *range(35 - 12, 35)]
-    # while prompt + generated fit the budget, the output equals the full cache's
     full, _ = generate(model, ids, Full(), max_new_tokens=11, do_sample=False, min_new_tokens=11)
     short, _ = generate(model, ids, method, max_new_tokens=11, do_sample=False, min_new_tokens=11)
     assert torch.equal(full, short)
@@ -99,5 +116,16 @@ def test_prompt_shorter_than_sinks():
     cache = KVCache.for_model(SnapStream(budget=16, sink=4, recent=4, window=4), model)
     for _ in decode(model, cache, torch.tensor([[7, 9]]), 20):
         pass
-    held = sorted(cache.positions(0)[0, 0].tolist())
-    assert held == [0, 1, 2, 3, *range(22 - 12, 22)]
+    held = cache.positions(0)[0, 0].tolist()
+    assert held[:4] == [0, 1, 2, 3] and sorted(held[4:8]) == [18, 19, 20, 21] and held[8:] == [-1] * 8
+
+
+def test_middle_shorter_than_topk_is_kept_whole_and_rest_padded():
+    """valid_topk = min(max(L - sink - recent, 0), K): 30 - 4 - 8 = 18 of K = 36 top-K slots hold the middle."""
+    model = tiny_model("llama")
+    cache = KVCache.for_model(SnapStream(budget=48, sink=4, recent=8, window=8), model)
+    next(decode(model, cache, torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(4)), 0))
+    held = cache.positions(0)[0]
+    for h in range(held.shape[0]):
+        assert held[h, 12:30].tolist() == list(range(4, 22)) and (held[h, 30:] == -1).all()
+    assert cache.stats()["kept"] == 30 and cache.stats()["slots"] == 48

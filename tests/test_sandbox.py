@@ -7,16 +7,22 @@ On a machine without namespaces (e.g. a CI runner that forbids unprivileged user
 from __future__ import annotations
 
 import glob
+import json
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from evalkit import sandbox
 from evalkit.sandbox import _host
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run(code: str, stdin: str = "", timeout_s: float = 2.0, memory_mb: int = 512, **kw) -> sandbox.RunResult:
@@ -33,10 +39,15 @@ def needs(**want):
         pytest.skip(f"needs {missing}; this machine gives {iso}")
 
 
+def contained() -> bool:
+    """Killing -1 or a whole group, forking without bound or reading other processes' /proc only harms or
+    reaches the program itself when it has its own PID namespace or its own uid."""
+    iso = sandbox.isolation()
+    return iso["user"] == "uid-drop" or iso["pid"]
+
+
 def needs_containment():
-    """Killing -1 or a whole group, or forking without bound, only harms the program itself when it has
-    its own PID namespace or its own uid."""
-    if sandbox.isolation()["user"] != "uid-drop":
+    if not contained():
         needs(pid=True)
 
 
@@ -66,7 +77,7 @@ def test_isolation_detected():
 
 def test_plain_program_stdin_and_exit_codes():
     r = run("import sys; print(sys.stdin.read().upper())", "abc")
-    assert (r.status, r.stdout) == ("ok", "ABC\n")
+    assert (r.status, r.stdout, r.stderr) == ("ok", "ABC\n", "")  # no start-up hook fails in the view
     r = run("import sys; sys.exit(3)")
     assert (r.status, r.returncode) == ("runtime_error", 3)
     r = run("import os; print('x', flush=True); os._exit(0)")
@@ -113,7 +124,7 @@ def test_ten_gigabytes_of_output_are_cut():
 
 
 def test_files_outside_the_run_are_untouched(tmp_path):
-    needs(filesystem="ro-root")
+    needs(filesystem=("allowlist", "ro-root"))
     canary = tmp_path / "canary.txt"
     canary.write_text("keep me")
     code = f"""
@@ -136,14 +147,101 @@ print(open("inside.txt").read())
 
 
 def test_environment_secrets_do_not_leak(monkeypatch):
+    """Not in its environment, nor in any /proc environ it can reach: its own, its init's, its parent's, the
+    harness's (visible without a PID namespace), or a harness-side process's that holds the secret in its
+    initial environment (which /proc shows; a variable set later, like the one planted here, it does not)."""
     monkeypatch.setenv("HF_TOKEN", "secret-hf-token-1234")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              env={**os.environ, "HF_TOKEN": "secret-hf-token-5678"})  # fmt: skip
+    try:
+        code = (
+            "import os\nprint(dict(os.environ))\n"
+            f"for pid in ['self', 1, os.getppid(), {os.getpid()}, {holder.pid}]:\n"
+            "    p = f'/proc/{pid}/environ'\n"
+            "    try:\n        print(p, open(p, 'rb').read())\n    except OSError as e:\n        print(p, 'denied', e)\n"
+        )
+        r = run(code)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.status == "ok" and "secret-hf-token" not in r.stdout + r.stderr, r.stdout
+    if contained():  # else it shares the harness's uid and /proc (run_program refuses that by default)
+        for pid in (os.getpid(), holder.pid):
+            assert f"/proc/{pid}/environ denied" in r.stdout, r.stdout
+
+
+def test_host_files_are_not_in_view(tmp_path):
+    """Only the allow-list is there: not the test's own files, the checkout, its task data (expected outputs),
+    results, or home, even by absolute path."""
+    needs(filesystem="allowlist")
+    canary = tmp_path / "canary.txt"
+    canary.write_text("canary-secret")
+    sample = REPO / "tasks" / "livecodebench" / "data" / "sample.jsonl"
+    assert sample.is_file()
+    paths = [canary, sample, REPO / "results", REPO / "tests", Path.home() / ".bashrc", Path("/etc/passwd")]
     code = (
-        "import os\nprint(dict(os.environ))\n"
-        "for p in ('/proc/self/environ', '/proc/1/environ', f'/proc/{os.getppid()}/environ'):\n"
-        "    try:\n        print(open(p, 'rb').read())\n    except OSError as e:\n        print('denied', e)\n"
+        f"for p in {[str(p) for p in paths]!r}:\n"
+        "    try:\n        print(p, 'FOUND', open(p).read(200))\n"
+        "    except OSError as e:\n        print(p, 'missing', e.errno)\n"
     )
     r = run(code)
-    assert r.status == "ok" and "secret-hf-token" not in r.stdout + r.stderr
+    assert r.status == "ok" and "FOUND" not in r.stdout and "canary-secret" not in r.stdout, r.stdout
+    assert r.stdout.count("missing 2\n") == len(paths), r.stdout  # ENOENT: not there at all
+
+
+def test_root_holds_only_the_allow_list():
+    needs(filesystem="allowlist")
+    prefixes = [Path(os.path.realpath(p)) for p in (sys.prefix, sys.base_prefix)]
+    allowed = {"usr", "bin", "lib", "lib32", "lib64", "libx32", "etc", "dev", "proc", "tmp"}
+    allowed |= {p.parts[1] for p in prefixes} | {Path(tempfile.gettempdir()).parts[1]}
+    dirs = ["/", "/etc", "/dev", str(REPO)]
+    code = f"import json, os\nprint(json.dumps({{d: sorted(os.listdir(d)) for d in {dirs!r} if os.path.isdir(d)}}))"
+    r = run(code)
+    assert r.status == "ok", r.stderr
+    seen = json.loads(r.stdout)
+    assert set(seen["/"]) <= allowed and "home" not in seen["/"], seen
+    assert set(seen["/etc"]) <= {"ld.so.cache", "localtime"}, seen
+    devices = {"null", "zero", "full", "random", "urandom", "fd", "stdin", "stdout", "stderr", "shm"}
+    assert set(seen["/dev"]) <= devices, seen
+    # of the checkout only the path down to the venv, when the venv lives in it
+    venv = {p.relative_to(REPO).parts[0] for p in prefixes if p.is_relative_to(REPO)}
+    assert set(seen.get(str(REPO), [])) <= venv, seen
+
+
+def test_installed_packages_still_import():
+    """The view holds the interpreter's site-packages: compiled extensions and their bundled libs load."""
+    pytest.importorskip("numpy")
+    r = run("import numpy\nprint(int(numpy.arange(5).sum()))", timeout_s=20, memory_mb=1024)
+    assert (r.status, r.stdout) == ("ok", "10\n"), r.stderr
+
+
+def test_sandbox_processes_are_opaque():
+    """Its init (PID 1 of its namespace) holds capabilities over the mounts and pipes to the harness: the
+    program may neither read its fds nor trace it, also where it runs under the same uid (user namespace)."""
+    needs(pid=True)
+    code = "import os\ntry:\n    print(os.listdir('/proc/1/fd'))\nexcept OSError as e:\n    print('denied', e.errno)\n"
+    r = run(code)
+    assert (r.status, r.stdout) == ("ok", "denied 13\n"), r.stdout
+
+
+@pytest.mark.parametrize("kind", ["path", "abstract"])
+def test_host_unix_sockets_cannot_be_reached(tmp_path, kind):
+    """A read-only mount does not stop connect(): a pathname socket must be out of view (allow-list), an
+    abstract one in another network namespace."""
+    needs(**({"filesystem": "allowlist"} if kind == "path" else {"network": "netns"}))
+    address = str(tmp_path / "s.sock") if kind == "path" else f"\0evalkit-test-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(address)
+        server.listen()
+        server.setblocking(False)
+        code = (
+            "import socket\ns = socket.socket(socket.AF_UNIX)\n"
+            f"try:\n    s.connect({address!r})\n    print('CONNECTED')\nexcept OSError as e:\n    print('failed', e)\n"
+        )
+        r = run(code)
+        assert r.status == "ok" and r.stdout.startswith("failed"), r.stdout
+        with pytest.raises(BlockingIOError):
+            server.accept()
 
 
 def test_no_network():
@@ -197,8 +295,14 @@ def test_events_rearm_the_watchdog_and_stop_the_run():
     assert r.status == "timeout" and r.wall_s < 4
 
 
-def test_refuses_without_network_isolation(monkeypatch):
-    monkeypatch.setattr(sandbox, "_probed", {**sandbox.isolation(), "network": None})
+@pytest.mark.parametrize(
+    "lacking",
+    [{"network": None}, {"pid": False, "user": "userns"}, {"pid": False, "user": None}],
+)  # fmt: skip
+def test_refuses_without_isolation(monkeypatch, lacking):
+    """No network namespace, or nothing keeping the program's processes from the harness's (a user namespace
+    alone runs it as the harness's user, able to kill() it or leave daemons)."""
+    monkeypatch.setattr(sandbox, "_probed", {**sandbox.isolation(), **lacking})
     with pytest.raises(sandbox.SandboxError, match="allow_unisolated"):
         sandbox.run_program("print(1)", timeout_s=2, memory_mb=512)
 

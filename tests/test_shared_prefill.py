@@ -24,7 +24,7 @@ def gen(model, ids, cache, sample):
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("sample", [False, True])
 def test_replayed_prefill_equals_a_separate_prefill(arch, sample):
     model = tiny_model(arch, seed=8)
@@ -68,3 +68,13 @@ def test_budget_list_equals_separate_runs(tmp_path):
         ).read_text().replace(str(tmp_path / "alone"), "X")
     replayed = json.loads((tmp_path / "shared/runs/ruler/tiny_llama/snapstream/128/metrics.json").read_text())
     assert replayed["generation"]["prefills_replayed"] == 6
+
+
+def test_mla_is_not_recorded():
+    """DeepSeek-V3's attention reads keys expanded from the latent cache: recording them would cost more than
+    re-running the prefill, so the record says it cannot be replayed and budgets prefill separately."""
+    model = tiny_model("deepseek_v3", seed=8)
+    ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(9))
+    record = PrefillRecord(window=32)
+    gen(model, ids, KVCache.for_model(SnapStream(budget=48, recent=8, window=8), model, record=record), False)
+    assert not record.usable and record.layers == {}

@@ -7,10 +7,11 @@ Decode writes one slot per step in place: ring methods (`streamingllm`, `snapstr
 entry at `sink + (p - sink) mod tail` (no growth, no reallocation, no concatenation); append methods (`full`,
 `snapkv`) write the next free column of a buffer that grows geometrically.
 
-evalkit choice where the spec is silent: a prompt no longer than the budget is kept whole and the slots it
-leaves free extend the ring (tail = budget - sink) instead of sitting masked in the top-K block, so a budget of
-at least prompt + generated tokens reproduces the full cache exactly. Prompts longer than the budget get
-exactly the spec's layout. Keys keep the RoPE of their original positions; empty slots are masked.
+Short prompts follow the spec: `valid_topk = min(max(L - sink - recent, 0), K)` top-K slots hold the middle of
+the prompt, the rest of the block is masked padding, and the ring stays `recent` slots. SnapStream's
+`spare_slots="ring"` is evalkit's option where the spec is strict: a prompt no longer than the budget is kept
+whole and the slots it leaves free extend the ring, so a budget of at least prompt + generated tokens
+reproduces the full cache exactly. Keys keep the RoPE of their original positions; empty slots are masked.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ class Rows:
 
     lengths: list[int]  # real prompt tokens per row (left pads excluded)
     pad: torch.Tensor  # (B,) left pad columns
-    fits: torch.Tensor  # (B,) bool: the whole prompt is kept, no selection
-    tail: list[int]  # tail (ring) slots per row
+    tail: torch.Tensor  # (B,) tail (ring) slots per row
+    topk: torch.Tensor  # (B,) valid top-K slots per row
     n: int  # slots per row after prefill (the static size for ring methods)
     base_pos: torch.Tensor  # (B, n) positions of sink/tail slots, -1 = empty or top-K (filled per layer)
     candidates: torch.Tensor  # (B, T) bool: prompt columns eligible for the top-K block
     valid: torch.Tensor  # (B, capacity) bool: slot holds a token (identical in every layer and head)
-    next_pos: list[int]  # absolute position of the next token per row
+    next_pos: torch.Tensor  # (B,) absolute position of the next token per row
+    filled: list[int]  # ring methods: valid slots per row, always a prefix [0, filled) of the row's slots
 
 
 def plan_rows(method, valid_cols: torch.Tensor) -> Rows:
@@ -50,9 +52,13 @@ def plan_rows(method, valid_cols: torch.Tensor) -> Rows:
     sink, tail_long, topk = method.blocks()
     budget = getattr(method, "budget", None)
     n = budget if method.ring else (t if budget is None else min(t, budget))
-    fits = lengths <= n
     sink = min(sink, n)
-    tail = torch.where(fits, n - sink, tail_long)  # (B,)
+    # Whole prompt kept when it fits, except under the spec's fixed ring (`spare_slots="pad"`), whose short
+    # prompts keep their middle in the top-K block and leave the unused slots as padding.
+    whole = lengths <= n
+    if method.ring and getattr(method, "spare_slots", "ring") == "pad":
+        whole = torch.zeros_like(whole)
+    tail = torch.where(whole, n - sink, tail_long)  # (B,)
     # --- sink and tail slot positions; tail slot of position p: sink + (p - sink) mod tail (the ring formula,
     # also used, harmlessly, to order the tail of append methods)
     j = torch.arange(n, device=dev)[None, :]  # (1, n)
@@ -63,20 +69,20 @@ def plan_rows(method, valid_cols: torch.Tensor) -> Rows:
     in_tail = (o >= 0) & (o < tail[:, None]) & (q >= 0)
     base_pos = torch.where((j < sink) & (j < L), j, torch.where(in_tail, p_tail, -1))
     cols = torch.arange(t, device=dev)[None, :] - pad[:, None]  # (B, T) position of each column
-    candidates = ~fits[:, None] & (cols >= sink) & (cols < L - tail[:, None])
-    valid = base_pos >= 0
-    if topk:
-        valid = valid | (~fits[:, None] & (j >= sink + tail_long) & (j < sink + tail_long + topk))
+    candidates = (cols >= sink) & (cols < L - tail[:, None])
+    k_rows = candidates.sum(1).clamp(max=topk)  # valid_topk per row
+    valid = (base_pos >= 0) | ((j >= sink + tail_long) & (j < sink + tail_long + k_rows[:, None]))
     return Rows(
         lengths=lengths.tolist(),
         pad=pad,
-        fits=fits,
-        tail=tail.tolist(),
+        tail=tail,
+        topk=k_rows,
         n=n,
         base_pos=base_pos,
         candidates=candidates,
         valid=valid,
-        next_pos=lengths.tolist(),
+        next_pos=lengths.clone(),
+        filled=valid.sum(1).tolist(),
     )
 
 
@@ -134,12 +140,18 @@ class KVLayer(CacheLayerMixin):
         b, h = keys.shape[:2]
         pos = rows.base_pos[:, None, :].expand(b, h, rows.n).clone()  # (B, H, n)
         sink, tail_long, topk = self.cache.method.blocks()
-        if topk and not bool(rows.fits.all()):
+        if self.cache.has_topk:
             scores = self.cache.method.score(query, attn_keys, rows.candidates, scaling)  # (B, H_attn, T)
-            picked = group_mean(scores, h).topk(topk, dim=-1).indices.sort(dim=-1).values  # (B, H, K) columns
+            t = keys.shape[2]
+            best = group_mean(scores, h).topk(min(topk, t), dim=-1)  # -inf past a row's valid_topk
+            picked = torch.full((b, h, topk), t, dtype=best.indices.dtype, device=keys.device)  # (B, H, K)
+            picked[..., : best.indices.shape[-1]] = torch.where(best.values > float("-inf"),
+                                                                best.indices - rows.pad[:, None, None], t)  # fmt: skip
+            picked = picked.sort(dim=-1).values  # kept positions in order, then the padding (t)
             block = slice(sink + tail_long, sink + tail_long + topk)
-            sel = picked - rows.pad[:, None, None]
-            pos[:, :, block] = torch.where(rows.fits[:, None, None], pos[:, :, block], sel)
+            picked = torch.where(picked < t, picked, -1)
+            selecting = (rows.topk > 0)[:, None, None]  # rows kept whole use these slots for their tail
+            pos[:, :, block] = torch.where(selecting, picked, pos[:, :, block])
         src = (pos.clamp(min=0) + rows.pad[:, None, None]).unsqueeze(-1)  # (B, H, n, 1) prompt columns
         empty = (pos < 0).unsqueeze(-1)
         cap = rows.valid.shape[1]
@@ -200,9 +212,12 @@ class KVCache(Cache):
         self.seen = 0  # columns seen, pads included
         self.step = 0  # decode forwards
         self.used = 0  # slots in use per row (static `budget` for ring methods)
-        self.step_mask: torch.Tensor | None = None  # (B, 1, q, used) bool for this step, None = attend to all
-        self._has_empty = False
         self.visible = 0  # slots attention reads this step (a prefix of `used`)
+        self.step_mask: torch.Tensor | None = (
+            None  # (B, 1, q, visible) bool for this step, None = attend to all
+        )
+        self.has_topk = False  # some row keeps a SnapKV selection (scoring runs at prefill)
+        self._has_pad = False  # append methods: left-pad holes in the prompt block need a mask
         super().__init__(layers=[KVLayer(self, i) for i in range(num_layers)])
 
     @classmethod
@@ -215,11 +230,14 @@ class KVCache(Cache):
         """Plan the layout once, at the first layer's prefill; every later layer shares it."""
         if self.rows is None:
             rows = plan_rows(self.method, valid_columns(attention_mask, b, t, device))
-            if not self.method.ring:  # room to append before the first reallocation
-                extra = max(64, rows.n // 4)
-                rows.valid = torch.cat([rows.valid, rows.valid.new_zeros(b, extra)], 1)
+            if (
+                not self.method.ring
+            ):  # room to append before the first reallocation; those columns will be valid
+                rows.valid = torch.cat([rows.valid, rows.valid.new_ones(b, max(64, rows.n // 4))], 1)
             self.rows, self.seen, self.used = rows, t, rows.n
-            self._has_empty = not bool(rows.valid[:, : rows.n].all())
+            self.has_topk = bool(rows.topk.max() > 0)  # one sync per prefill
+            self._tails, self._prompt_width = rows.tail.tolist(), t
+            self._has_pad = not self.method.ring and not bool(rows.valid[:, : rows.n].all())
         return self.rows
 
     # --- decode ---------------------------------------------------------------------------------------------
@@ -244,8 +262,10 @@ class KVCache(Cache):
         return layer.keys[:, :, : self.visible], layer.values[:, :, : self.visible]
 
     def _advance(self, q: int) -> None:
-        rows, dev = self.rows, self.rows.valid.device
-        b = len(rows.next_pos)
+        """Once per decode step: this step's slots and positions (host arithmetic, no device sync)."""
+        rows, b, dev = self.rows, len(self.rows.lengths), self.rows.valid.device
+        decoded = self.seen - self._prompt_width  # tokens written since prefill (same for every row)
+        host = [length + decoded for length in rows.lengths]  # this token's position per row
         if self.method.ring:
             if q != 1:
                 raise ValueError(
@@ -253,50 +273,58 @@ class KVCache(Cache):
                     "chunked prefill and multi-token continuation are not supported"
                 )
             sink = min(self.method.blocks()[0], rows.n)
-            slots = [p if p < sink else sink + (p - sink) % t for p, t in zip(rows.next_pos, rows.tail)]
+            slots = [p if p < sink else sink + (p - sink) % t for p, t in zip(host, self._tails)]
+            for r, slot in enumerate(slots):  # valid slots stay a prefix: the first empty one is filled next
+                rows.filled[r] += slot == rows.filled[r]
         else:
+            if q != 1 and self.method.budget is not None:
+                raise ValueError(
+                    f"{self.method.name}: compressed at prefill, so it decodes one token per forward (got {q}); "
+                    "chunked prefill and multi-token continuation are only supported by `full`"
+                )
             if self.used + q > rows.valid.shape[1]:
-                grow = max(q, rows.valid.shape[1] // 2)
-                rows.valid = torch.cat([rows.valid, rows.valid.new_zeros(b, grow)], 1)
+                rows.valid = torch.cat(
+                    [rows.valid, rows.valid.new_ones(b, max(q, rows.valid.shape[1] // 2))], 1
+                )
             slots = [self.used] * b
             self.used += q
-        if len(set(slots)) == 1:
-            self._slot = slots[0]
-            self._pos = rows.next_pos[0] if b == 1 and q == 1 else self._positions(q, dev)
-        else:
-            self._slot = torch.tensor(slots, device=dev)
-            self._pos = self._positions(q, dev)
-        if not self.method.ring:
-            rows.valid[:, slots[0] : slots[0] + q] = True
-        elif self._has_empty:  # only while a short prompt's ring still has never-written slots
-            for r, s in enumerate(slots):
-                rows.valid[r, s] = True
-        rows.next_pos = [p + q for p in rows.next_pos]
+        if b == 1 and q == 1:
+            self._slot, self._pos = slots[0], host[0]
+        elif len(set(slots)) == 1:
+            self._slot, self._pos = slots[0], self._positions(q)
+        else:  # ring rows at different slots (only ring methods get here)
+            p = rows.next_pos
+            self._slot = torch.where(
+                p < sink, p, sink + (p - sink) % rows.tail
+            )  # (B,) computed on the device
+            self._pos = self._positions(1)
+        rows.next_pos += q
         self.seen += q
         self.step += 1
         self.step_mask = self._mask(q, dev)
 
-    def _positions(self, q: int, dev) -> torch.Tensor:
-        p = torch.tensor(self.rows.next_pos, dtype=torch.int32, device=dev)
-        return (p[:, None] + torch.arange(q, dtype=torch.int32, device=dev)).view(-1, 1, q)  # (B, 1, q)
+    def _positions(self, q: int) -> torch.Tensor:
+        p = self.rows.next_pos[:, None] + torch.arange(q, device=self.rows.next_pos.device)
+        return p.to(torch.int32).view(-1, 1, q)  # (B, 1, q)
 
     def _mask(self, q: int, dev) -> torch.Tensor | None:
         """This step's attention mask over the first `visible` slots; sets `visible`."""
+        rows = self.rows
         self.visible = self.used
-        if q > 1:  # multi-token continuation (append methods): new tokens are causal among themselves
+        if q > 1:  # multi-token continuation (`full`): new tokens are causal among themselves
             col = torch.arange(self.used, device=dev)
             causal = col[None, :] <= (self.used - q + torch.arange(q, device=dev))[:, None]  # (q, used)
-            return self.rows.valid[:, None, None, : self.used] & causal[None, None]
-        if not self._has_empty:
+            return rows.valid[:, None, None, : self.used] & causal[None, None]
+        if not self.method.ring:
+            return rows.valid[:, None, None, : self.used] if self._has_pad else None
+        # Ring caches: every row's valid slots are a prefix [0, filled). Attend to the longest prefix; mask
+        # only when rows differ (a left-padded batch of short prompts). Unmasked, the keys are the full
+        # cache's, in the same order: the short-prompt equivalence is exact.
+        self.visible = max(rows.filled)
+        if min(rows.filled) == self.visible:
             return None
-        # Empty slots remain (a short prompt, or pads). While every row's filled slots are one prefix [0, m),
-        # attend to that prefix unmasked: the same keys, in the same order, as the full cache (and less work).
-        valid = self.rows.valid[:, : self.used]
-        m = int(valid.sum(1).max())
-        if bool(valid[:, :m].all()):
-            self.visible, self._has_empty = m, m < self.used
-            return None
-        return valid[:, None, None, :]
+        filled = torch.tensor(rows.filled, device=dev)
+        return (torch.arange(self.visible, device=dev)[None, :] < filled[:, None])[:, None, None, :]
 
     # --- reporting ------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -323,22 +351,28 @@ class KVCache(Cache):
         return {**total, "slots": self.used, "reserved_bytes": reserved, "per_layer": per_layer, "rows": rows}
 
     def row_stats(self) -> list[dict]:
+        """Per batch row; `slots` is the row's own footprint (a static ring is `budget` whatever it holds)."""
         if self.rows is None or self.layers[0].keys is None:
             return []
-        valid = self.rows.valid[:, : self.used]
-        kept = valid.sum(1).tolist()
-        lengths = torch.tensor(self.rows.lengths, dtype=torch.int32, device=valid.device)
+        rows = self.rows
+        if self.method.ring:
+            kept = list(rows.filled)
+        else:
+            kept = rows.valid[:, : self.used].sum(1).tolist()
+        lengths = torch.tensor(rows.lengths, dtype=torch.int32, device=rows.valid.device)
         kept_generated = (self.layers[0].pos[:, 0, : self.used] >= lengths[:, None]).sum(1).tolist()
-        row_bytes = sum(lay.entry_bytes() for lay in self.layers) // len(kept) * self.used
+        per_slot = sum(lay.entry_bytes() for lay in self.layers) // len(kept)  # one row, all layers, K and V
         out = []
-        for r, (seen, length) in enumerate(zip(self.rows.next_pos, self.rows.lengths)):
+        for r, (seen, length) in enumerate(zip(rows.next_pos.tolist(), rows.lengths)):
+            slots = self.used if self.method.ring else kept[r]
             out.append(
                 {
                     "seen": seen,
                     "kept": kept[r],
                     "evicted": seen - kept[r],
                     "evicted_generated": seen - length - kept_generated[r],
-                    "bytes": row_bytes,
+                    "slots": slots,
+                    "bytes": per_slot * slots,
                 }
             )
         return out

@@ -135,12 +135,19 @@ class SnapStream(SnapKV):
 
     sink: int = 4
     recent: int | None = None  # None: budget // 8, at least `window` (spec defaults)
+    # Top-K slots a prompt shorter than the budget cannot fill: "pad" (the spec: masked padding, the ring
+    # stays `recent`) or "ring" (evalkit's option: the prompt is kept whole and the ring grows into them).
+    spare_slots: str = "pad"
     name: ClassVar[str] = "snapstream"
     ring: ClassVar[bool] = True
 
     def __post_init__(self):
         _check_budget(self.name, self.budget)
         _check_kernel(self.name, self.pool_kernel)
+        if self.spare_slots not in ("pad", "ring"):
+            raise ValueError(
+                f"{self.name}: spare_slots must be 'pad' (spec) or 'ring', got {self.spare_slots!r}"
+            )
         if self.recent is None:
             self.recent = max(self.budget // 8, self.window)
         if self.sink < 0 or self.recent < 1:

@@ -2,7 +2,7 @@
 
 A budget sweep of one method runs the same prompts B times, and the prefill (full attention over the whole
 prompt) is identical in every run: only the compression after it and the decode differ. So the first run
-records, per layer, the full K/V, the last `window` post-RoPE queries and the keys attention saw, plus the
+records, per layer, the full K/V and the last `window` post-RoPE queries, plus the
 prefill's last-position logits; the other budgets' caches are compressed from that record by the same code
 path (`KVLayer.compress`) while the model's prefill forward is skipped. Decoding then proceeds as usual, so
 results are identical to separate runs by construction (tests/test_shared_prefill.py checks it).
@@ -20,26 +20,33 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 @dataclass
 class PrefillRecord:
+    """Holds one full-cache copy of the prompt's K/V per layer (plus `window` queries) until the batch ends.
+
+    Models whose attention reads keys expanded from the cache (MLA: DeepSeek-V3's per-head keys are rebuilt
+    from the latent) are not recorded, because keeping the expanded keys would cost more than re-running the
+    prefill (~390 GB for R1 at 128k); those budgets then prefill separately (`usable` is False)."""
+
     window: int  # queries kept per layer: the largest observation window of the methods that will replay
-    layers: dict[int, tuple] = field(
-        default_factory=dict
-    )  # idx -> (keys, values, queries, attn_keys, scaling)
+    layers: dict[int, tuple] = field(default_factory=dict)  # idx -> (keys, values, queries, scaling)
     mask: torch.Tensor | None = None  # the prefill attention mask (None: no padding)
     logits: torch.Tensor | None = None  # (B, 1, V) last-position logits of the prefill forward
+    usable: bool = True
 
     def add(self, layer_idx, keys, values, query, attn_keys, attention_mask, scaling) -> None:
-        q = query[:, :, -self.window :].clone()
-        self.layers[layer_idx] = (keys, values, q, None if attn_keys is keys else attn_keys, scaling)
+        if attn_keys is not keys or not self.usable:
+            self.usable, self.layers = False, {}
+            return
+        self.layers[layer_idx] = (keys, values, query[:, :, -self.window :].clone(), scaling)
         self.mask = attention_mask
 
 
 def populate(cache, record: PrefillRecord) -> None:
     """Fill an empty KVCache from a record, exactly as its own prefill would have."""
     for idx, layer in enumerate(cache.layers):
-        keys, values, queries, attn_keys, scaling = record.layers[idx]
+        keys, values, queries, scaling = record.layers[idx]
         layer.lazy_initialization(keys, values)
         layer.pending = (keys, values)
-        layer.compress(queries, keys if attn_keys is None else attn_keys, record.mask, scaling)
+        layer.compress(queries, keys, record.mask, scaling)
 
 
 @contextmanager
@@ -47,6 +54,7 @@ def shared_prefill(model):
     """Within this block, a KVCache with `record` keeps its prefill's logits, and one with `replay` skips the
     prefill forward: its cache is populated from the record and the recorded logits are returned."""
     original = model.forward
+    own = model.__dict__.get("forward")  # an instance-level forward (accelerate's device hooks) to restore
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
@@ -65,4 +73,7 @@ def shared_prefill(model):
     try:
         yield
     finally:
-        del model.forward  # back to the class's forward
+        if own is None:
+            del model.forward  # back to the class's forward
+        else:
+            model.forward = own

@@ -4,12 +4,17 @@ Each program runs in a fresh process tree, in its own session, with an empty env
 point into its own size-capped tmpfs working dir), stdin from a pipe and its output read incrementally and
 cut at a cap. Where the machine allows (`isolation()` reports what it does): new network namespace (no
 network at all), new PID namespace (all descendants die with the program), new IPC/UTS namespaces, a mount
-namespace with the whole file system read-only and /root, $HOME, /tmp, /var/tmp and /run emptied (but for
-the interpreter and the run's own dir), and a per-run unprivileged uid (as root) or a user namespace
-(otherwise). Always: setrlimit AS/CPU/FSIZE/NPROC/NOFILE/CORE and no_new_privs. A timeout, a cap breach or
-the caller's `on_event` stop kills the whole tree, and every process is reaped, by the sandbox itself (the
-machine's PID 1 need not reap). Upstream LiveCodeBench's `reliability_guard` is not a sandbox; this
-replaces it. Implementation: `_host.py` (this side), `_boot.py` (the bootstrap inside).
+namespace whose root is built from an empty tmpfs holding only what the interpreter needs, read-only (/usr,
+/lib*, the interpreter's prefixes, ld.so.cache, a few device nodes, the run's own dir, the PID namespace's
+/proc) and nothing else of the host (no checkout, results or task data, home, sockets) - or, where that
+cannot be built, the host's file system read-only with /root, $HOME, /tmp, /var/tmp and /run emptied - and a
+per-run unprivileged uid without supplementary groups (as root) or a user namespace (otherwise). Always:
+setrlimit AS/CPU/FSIZE/NPROC/NOFILE/CORE and no_new_privs. `run_program` refuses a machine that gives no
+network namespace, or neither a PID namespace nor the uid drop (see `missing_isolation`). A timeout, a cap
+breach or the caller's `on_event` stop kills the whole tree; no descendant outlives a run, and every process
+is reaped, by the sandbox itself (the machine's PID 1 need not reap). Upstream LiveCodeBench's
+`reliability_guard` is not a sandbox; this replaces it. Implementation: `_host.py` (this side), `_boot.py`
+(the bootstrap inside).
 
 Programs may report progress as JSON lines on fd 3: `run_program(..., on_event=f)` calls `f(event)` for
 each (return False to stop the run), and each event re-arms the `timeout_s` watchdog. A grader thus runs a
@@ -20,7 +25,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -53,7 +57,7 @@ _probed: dict | None = None
 
 def isolation() -> dict:
     """What this machine allows, probed once per process by running an empty program:
-    {"network": "netns"|None, "filesystem": "ro-root"|"cwd-only", "pid": bool, "ipc": bool,
+    {"network": "netns"|None, "filesystem": "allowlist"|"ro-root"|"cwd-only", "pid": bool, "ipc": bool,
     "user": "uid-drop"|"userns"|None}. Later runs require exactly this (no silent downgrade)."""
     global _probed
     with _probe_lock:
@@ -66,16 +70,28 @@ def isolation() -> dict:
         return dict(_probed)
 
 
+def missing_isolation(iso: dict) -> str:
+    """Why `iso` is not enough to run untrusted code ("" when it is): no network namespace, or nothing that
+    keeps the program's processes from signalling the harness and outliving the run (a PID namespace, or
+    its own uid: in a user namespace alone it runs as the harness's user)."""
+    if iso["network"] is None:
+        return "no network isolation"
+    if not iso["pid"] and iso["user"] != "uid-drop":
+        return "no process containment (neither a PID namespace nor a uid of its own)"
+    return ""
+
+
 def run_program(code: str, stdin: str = "", *, timeout_s: float, memory_mb: int, cpu_s: float | None = None,
                 disk_mb: int = 64, nproc: int = 64, output_limit: int = OUTPUT_LIMIT,
                 on_event: Callable[[dict], bool] | None = None, allow_unisolated: bool = False) -> RunResult:  # fmt: skip
     """Run `code` with `python -I` in the sandbox and return how it ended. `timeout_s` is wall time from the
     start, re-armed by each fd-3 event; `cpu_s` (default `timeout_s`) is the RLIMIT_CPU backstop; `disk_mb`
-    caps the working dir and each file. Refuses (SandboxError) without network isolation unless
+    caps the working dir and each file. Refuses (SandboxError) where `missing_isolation` says why, unless
     `allow_unisolated`."""
     iso = isolation()
-    if iso["network"] is None and not allow_unisolated:
-        raise SandboxError(f"no network isolation here ({iso}); pass allow_unisolated=True to override")
+    missing = missing_isolation(iso)
+    if missing and not allow_unisolated:
+        raise SandboxError(f"{missing} here ({iso}); pass allow_unisolated=True to override")
     limits = {"memory_mb": memory_mb, "cpu_s": cpu_s or timeout_s, "disk_mb": disk_mb, "nproc": nproc,
               "nofile": 256, "output_limit": output_limit}  # fmt: skip
     res, _ = _run(code, stdin, mode="run", require=iso, timeout_s=timeout_s, on_event=on_event, **limits)
@@ -100,7 +116,7 @@ def _run(code: str, stdin: str, *, mode: str, require: dict | None, timeout_s: f
     root = _host.prepare_root({"prog.py": code}, uid)
     try:
         limits = dict(memory_mb=memory_mb, cpu_s=cpu_s, disk_mb=disk_mb, nproc=nproc, nofile=nofile)
-        argv = [sys.executable, "-I", os.path.join(root, "prog.py")]
+        argv = [_host.interpreter(), "-I", os.path.join(root, "prog.py")]
         cfg = _host.make_config(root, argv, uid=uid, limits=limits, mode=mode, require=require)
         start = time.monotonic()
         proc, status_r, events_r = _host.spawn(cfg)

@@ -5,10 +5,13 @@ Three processes: this bootstrap (B) enters new namespaces and builds the file-sy
 PID 1 of a new PID namespace), which forks the program (P). P drops to an unprivileged uid with rlimits and
 no_new_privs and execs the interpreter. When P exits, I exits and the kernel kills everything left in the PID
 namespace. B reports on the status pipe (JSON lines): the isolation it achieved, P's wait status, or an error.
-B answers SIGTERM by killing I's process group; B always reaps I itself, so no zombie is left to PID 1.
+B answers SIGTERM by killing I's process group; B is a subreaper, and after I it kills and reaps every orphan
+that came to it, so no process outlives the run and no zombie is left to PID 1.
 """
 
+import contextlib
 import ctypes
+import errno
 import fcntl
 import json
 import os
@@ -24,7 +27,16 @@ MS_BIND, MS_REC, MS_PRIVATE = 4096, 1 << 14, 1 << 18
 # Per-mount flags a read-only remount must repeat (in a user namespace they are locked and EPERM otherwise).
 MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024,
                "nodiratime": 2048, "relatime": 1 << 21}  # fmt: skip
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+# The same flags as statvfs() reports them (ST_RELATIME differs from MS_RELATIME).
+ST_TO_MS = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC, os.ST_NOATIME: 1024,
+            os.ST_NODIRATIME: 2048, os.ST_RELATIME: 1 << 21}  # fmt: skip
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
+MNT_DETACH = 2
+# glibc has no pivot_root wrapper; on other machines the allow-list view is not built (ro-root is).
+PIVOT_ROOT_NR = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+SYS_PIVOT_ROOT = PIVOT_ROOT_NR.get(os.uname().machine)
+# Where pivot_root parks the host's root until I has mounted its /proc (see _allowlist).
+HOST_ROOT = "/.host"
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -44,9 +56,12 @@ def _unshare(flags: int) -> None:
     _c(libc.unshare(flags), f"unshare {flags:#x}")
 
 
-def _write(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
+def _write(path: str, text: str, dir_fd: int | None = None) -> None:
+    fd = os.open(path, os.O_WRONLY, dir_fd=dir_fd)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 def _status(fd: int, **msg) -> None:
@@ -62,9 +77,8 @@ def _user_ns(cfg) -> None:
     """Not root: a user namespace maps our own uid to 0 inside, which lets us create the others."""
     uid, gid = os.getuid(), os.getgid()
     _unshare(CLONE_NEWUSER)
-    _write("/proc/self/setgroups", "deny")
-    _write("/proc/self/uid_map", f"0 {uid} 1")
-    _write("/proc/self/gid_map", f"0 {gid} 1")
+    for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+        _write(f"self/{name}", text, cfg["proc_fd"])  # the host's /proc: P's view may have none
 
 
 def _hide(cfg) -> None:
@@ -90,39 +104,110 @@ def _mountinfo() -> list[tuple[str, int]]:
     return out
 
 
-def _filesystem(cfg) -> None:
-    """Everything read-only except a fresh size-capped tmpfs as the working dir and a fresh /dev/shm."""
+def _filesystem(cfg, want: str | None) -> str:
+    """A private mount namespace and the allow-list view, or the read-only host view where the allow-list
+    cannot be built (never when `want`, the probe's result, is the allow-list)."""
     _unshare(CLONE_NEWNS)
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do here propagates back to the host
+    if want in (None, "allowlist"):
+        try:
+            _allowlist(cfg)
+            return "allowlist"
+        except OSError:
+            if want == "allowlist":
+                raise
+    _ro_root(cfg)
+    return "ro-root"
+
+
+def _allowlist(cfg) -> None:
+    """Build the program's root from nothing: a tmpfs holding only cfg["view"], the working dir and /dev/shm,
+    then pivot into it. The tmpfs is mounted on the run's work dir (any empty dir would do; inside, work is
+    overmounted again). The host's root stays at HOST_ROOT until I has mounted /proc (in a user namespace
+    the kernel mounts a proc only while one is visible), then I detaches it for good."""
+    new = cfg["work"]
+    _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    umask = os.umask(0o022)  # the program's uid must traverse every dir made here
+    try:
+        for kind, path, *target in cfg["view"]:
+            _place(new, kind, path, *target)
+        for d in ("/proc", "/dev/shm", HOST_ROOT):
+            os.makedirs(new + d, exist_ok=True)
+        _scratch(cfg, new)
+        _pivot_root(new, new + HOST_ROOT)
+        os.chdir("/")
+    except OSError:
+        libc.umount2(new.encode(), MNT_DETACH)
+        raise
+    finally:
+        os.umask(umask)
+
+
+def _pivot_root(new: str, old: str) -> None:
+    if SYS_PIVOT_ROOT is None:
+        raise OSError(errno.ENOSYS, f"pivot_root: syscall number unknown on {os.uname().machine}")
+    _c(libc.syscall(ctypes.c_long(SYS_PIVOT_ROOT), new.encode(), old.encode()), "pivot_root")
+
+
+def _place(new: str, kind: str, path: str, target: str | None = None) -> None:
+    """One step of the view (see `_host.base_view`) under the new root `new`, at the host path."""
+    dst = new + path
+    if kind == "blank":  # a file inside a dir bound before
+        _mount("/dev/null", dst, None, MS_BIND)
+        return
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    if kind == "link":
+        os.symlink(target, dst)
+        return
+    if os.path.isdir(path):
+        os.makedirs(dst, exist_ok=True)
+    else:
+        os.close(os.open(dst, os.O_CREAT | os.O_WRONLY, 0o644))
+    _mount(path, dst, None, MS_BIND)  # not MS_REC: mounts below a bound dir stay out of the view
+    if kind == "ro":  # flags the source mount has must be repeated (in a user namespace they are locked)
+        flags = os.statvfs(dst).f_flag
+        kept = sum(ms for st, ms in ST_TO_MS.items() if flags & st)
+        _mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | kept)
+
+
+def _ro_root(cfg) -> None:
+    """Everything read-only except a fresh size-capped tmpfs as the working dir and a fresh /dev/shm."""
     _hide(cfg)
     for point, flags in _mountinfo():
         if os.path.exists(point):  # mounts under a hidden dir are gone from view
             _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
-    ids = f"uid={cfg['uid']},gid={cfg['uid']}," if cfg["uid"] is not None else ""
-    _mount("tmpfs", cfg["work"], "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk_mb']}m,mode=0700,{ids}")
-    if os.path.isdir("/dev/shm"):  # multiprocessing's semaphores need it
-        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk_mb']}m,mode=1777")
+    _scratch(cfg, "")
+
+
+def _scratch(cfg, new: str) -> None:
+    """The writable places under the root `new`: the size-capped working dir, and /dev/shm (multiprocessing's
+    semaphores need it)."""
+    size, uid = f"size={cfg['disk_mb']}m", cfg["uid"]
+    owner = f",uid={uid},gid={uid}" if uid is not None else ""
+    _mount("tmpfs", new + cfg["work"], "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=0700{owner}")
+    if os.path.isdir(new + "/dev/shm"):
+        _mount("tmpfs", new + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
 
 
 def setup(cfg) -> dict:
     """Enter the namespaces and build the view; returns what was achieved."""
     strict, want = cfg["mode"] == "run", cfg.get("require") or {}
 
-    def step(name, fn) -> bool:
+    def step(name, fn, failed=False):
         try:
-            fn(cfg)
-            return True
+            done = fn(cfg)
+            return True if done is None else done
         except OSError:
             if strict and want.get(name) not in (None, False, "cwd-only"):  # the probe achieved it
                 raise
-            return False
+            return failed
 
     got = {"user": "uid-drop" if os.geteuid() == 0 else None}
     if os.geteuid() != 0:
         got["user"] = "userns" if step("user", _user_ns) else None
     got["network"] = "netns" if step("network", lambda c: _unshare(CLONE_NEWNET)) else None
     got["ipc"] = step("ipc", lambda c: _unshare(CLONE_NEWIPC | CLONE_NEWUTS))
-    got["filesystem"] = "ro-root" if step("filesystem", _filesystem) else "cwd-only"
+    got["filesystem"] = step("filesystem", lambda c: _filesystem(c, want.get("filesystem")), "cwd-only")
     got["pid"] = step("pid", lambda c: _unshare(CLONE_NEWPID))
     return got
 
@@ -155,7 +240,11 @@ def _program(cfg, got) -> None:
             os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
             os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
         elif got["user"] == "userns":  # uid 0 of our user namespace could undo the mounts: nest one more
+            # B made itself (so us) non-dumpable, which makes our /proc files root's: we could not write maps
+            _c(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "dumpable")
             _user_ns(cfg)
+        if cfg["proc_fd"] is not None:  # no handle on the host's /proc reaches the program
+            os.close(cfg["proc_fd"])
         _c(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")  # setuid binaries stay unprivileged
         step = f"exec {cfg['argv'][0]} as uid {os.getuid()}"  # EACCES: the interpreter is not reachable
         os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
@@ -171,7 +260,9 @@ def _init(cfg, got) -> None:
         _c(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")  # B gone -> all gone
         _c(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")  # orphans come to us, not to PID 1
         os.setpgid(0, 0)  # B's SIGTERM handler kills this group (without a PID namespace that is the tree)
-        if got["pid"] and got["filesystem"] == "ro-root":
+        if got["filesystem"] == "allowlist":
+            _leave_host(got)
+        elif got["pid"] and got["filesystem"] == "ro-root":
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # shows only this namespace
         pid = os.fork()
         if pid == 0:
@@ -179,6 +270,8 @@ def _init(cfg, got) -> None:
                 _program(cfg, got)
             finally:
                 os._exit(127)  # a forked child must never fall through into its parent's code
+        if cfg["proc_fd"] is not None:  # P's copy is all it needs
+            os.close(cfg["proc_fd"])
         while True:
             done, status = os.waitpid(-1, 0)
             if done == pid:
@@ -189,6 +282,16 @@ def _init(cfg, got) -> None:
     os._exit(0)
 
 
+def _leave_host(got) -> None:
+    """In I, allow-list view: mount this PID namespace's /proc (without one, /proc stays empty: the host's
+    would show the harness), detach the host's root for good and make the root read-only."""
+    if got["pid"]:
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _c(libc.umount2(HOST_ROOT.encode(), MNT_DETACH), "umount host root")
+    os.rmdir(HOST_ROOT)
+    _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     # Orphans left after I exits come to B to be reaped: the machine's PID 1 may never reap them (and a
@@ -196,11 +299,15 @@ def main() -> None:
     _c(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")
     signals = {signal.SIGTERM, signal.SIGCHLD}
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # handled synchronously below, never mid-step
+    proc = cfg["proc_fd"] = _open_proc()
     try:
         got = setup(cfg)
     except OSError as e:
         _status(cfg["status_fd"], error=f"isolation: {e}")
         sys.exit(1)
+    # In a user namespace the program shares B's and I's kuid: non-dumpable, they can be neither ptraced by
+    # it (I holds the capabilities over the mounts) nor read through /proc/PID (fds, memory, environ).
+    _c(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "dumpable")
     _status(cfg["status_fd"], isolation=got)
     init = os.fork()
     if init == 0:
@@ -217,22 +324,63 @@ def main() -> None:
     _kill(init)
     if not got["pid"] and cfg["uid"] is not None:
         _kill_uid(cfg["uid"])
-    _reap_all()
+    _kill_orphans(proc)
 
 
-def _reap_all(patience_s: float = 2.0) -> None:
-    """Reap I and every orphan that came to us; stop waiting for a survivor after `patience_s` (only a
-    program that escaped its group without PID namespace or own uid can be one)."""
+def _open_proc() -> int | None:
+    """The host's /proc, held from the start: the user-namespace maps are written through it after the view
+    hid it, and B lists its children in it at the end. Above fd 3, which P overwrites with the events fd."""
+    try:
+        fd = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+    finally:
+        os.close(fd)
+
+
+def _kill_orphans(proc: int | None, patience_s: float = 2.0) -> None:
+    """Reap I, then kill and reap every process that came to us. Without a PID namespace a program can leave
+    I's process group (setsid) but not our subreaper reach: once its parent dies it is our child. Each round
+    kills our live children (only unreaped ones: a recycled pid is never hit), whose children come to us
+    for the next. Gives up on a survivor after `patience_s` (stuck in the kernel, or no /proc to list)."""
     end = time.monotonic() + patience_s
-    while True:
+    while time.monotonic() < end:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
         except ChildProcessError:
             return
-        if pid == 0:
-            if time.monotonic() > end:
-                return
-            time.sleep(0.005)
+        for pid in _children(proc):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        signal.sigtimedwait({signal.SIGCHLD}, 0.05)  # blocked since the start: a child ended, or a pause
+
+
+def _children(proc: int | None) -> list[int]:
+    """Our children (zombies included), read from the host's /proc."""
+    if proc is None:
+        return []
+    try:
+        fd = os.open("thread-self/children", os.O_RDONLY, dir_fd=proc)
+    except FileNotFoundError:  # a kernel without CONFIG_PROC_CHILDREN: scan every process
+        return [int(p) for p in os.listdir(proc) if p.isdigit() and _ppid(proc, p) == os.getpid()]
+    try:
+        return [int(p) for p in os.read(fd, 1 << 20).split()]
+    finally:
+        os.close(fd)
+
+
+def _ppid(proc: int, pid: str) -> int | None:
+    try:
+        fd = os.open(f"{pid}/stat", os.O_RDONLY, dir_fd=proc)
+    except OSError:
+        return None
+    try:
+        return int(os.read(fd, 4096).rsplit(b")", 1)[1].split()[1])
+    finally:
+        os.close(fd)
 
 
 def _kill_uid(uid: int) -> None:

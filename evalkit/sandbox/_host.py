@@ -3,11 +3,13 @@ watchdog, killing and reaping. The public surface is in `evalkit.sandbox`."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import selectors
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -60,9 +62,60 @@ def release_uid(uid: int | None) -> None:
             _free_slots.append((uid - UID_FLOOR) % SLOTS)
 
 
-# Overmounted with an empty tmpfs in the program's view: secrets (/root, $HOME: tokens, keys, caches) and
-# shared places (other users' and runs' files and sockets in /tmp, /var/tmp, /run).
+# The program's whole file-system view ("allowlist"): an empty tmpfs root holding, at their host paths, these
+# when they exist (read-only binds; top-level symlinks such as /lib -> usr/lib copied as symlinks), the
+# interpreter's prefixes and the run dir. Nothing else of the host: no checkout, results or task data, no
+# home, no sockets. The loader needs ld.so.cache (else it searches slowly), datetime the local time zone.
+SYSTEM = ("/usr", "/bin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache", "/etc/localtime")
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+DEV_LINKS = (("/dev/fd", "/proc/self/fd"), ("/dev/stdin", "/proc/self/fd/0"),
+             ("/dev/stdout", "/proc/self/fd/1"), ("/dev/stderr", "/proc/self/fd/2"))  # fmt: skip
+
+# Fallback view ("ro-root", where the allow-list cannot be built): the host's, read-only, with these
+# overmounted by an empty tmpfs: secrets (/root, $HOME: tokens, keys, caches) and shared places (other users'
+# and runs' files and sockets in /tmp, /var/tmp, /run).
 HIDE = ("/root", "~", "/tmp", "/var/tmp", "/run")
+
+
+def interpreter() -> str:
+    """The executable to run programs with: sys.executable under its directory's real path, which is where the
+    view binds it (a venv's python symlink itself stays, so that Python still finds its pyvenv.cfg)."""
+    return os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
+
+
+@functools.cache
+def base_view() -> tuple[tuple[str, ...], ...]:
+    """The run-independent steps of the allow-list view, in order, for the bootstrap: ("link", path, target)
+    makes a symlink, ("ro", path) binds the host path read-only, ("blank", path) overmounts a file with
+    /dev/null, ("dev", path) binds a device node."""
+    links = [("link", p, os.readlink(p)) for p in SYSTEM if os.path.islink(p)]
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)} | {os.path.dirname(interpreter())}
+    binds = _outermost([p for p in SYSTEM if os.path.exists(p) and not os.path.islink(p)] + sorted(prefixes))
+    devices = [("dev", p) for p in DEVICES if os.path.exists(p)]
+    return tuple(links + [("ro", p) for p in binds] + [("blank", p) for p in startup_hooks(binds)] + devices
+                 + [("link", p, t) for p, t in DEV_LINKS])  # fmt: skip
+
+
+def startup_hooks(binds: list[str]) -> list[str]:
+    """The .pth files in the view's site-packages that run code at every interpreter start (an `import` line).
+    They serve the harness's tooling (this checkout's editable install, the lm-eval plugin), import code the
+    view does not hold, and would print an error into every program's stderr; blanked, they cost nothing."""
+    out = []
+    for d in sorted({os.path.realpath(p) for p in site.getsitepackages()}):
+        if not os.path.isdir(d) or not any(_within(d, b) for b in binds):
+            continue
+        for name in sorted(os.listdir(d)):
+            path = os.path.join(d, name)
+            if name.endswith(".pth") and os.path.isfile(path):
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    if any(line.startswith(("import ", "import\t")) for line in f):
+                        out.append(path)
+    return out
+
+
+def _outermost(paths: list[str]) -> list[str]:
+    paths = sorted({p for p in paths if p != "/"})
+    return [p for p in paths if not any(_within(p, o) for o in paths if o != p)]
 
 
 def hidden_dirs(keep: list[str]) -> list[tuple[str, list[str]]]:
@@ -89,8 +142,9 @@ def make_config(root: str, argv: list[str], *, uid, limits: dict, mode: str, req
     keep = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, os.path.dirname(sys.executable), root)}
     keep = sorted(k for k in keep if os.path.isdir(k))
     env = {**ENV_KEEP, "HOME": work, "TMPDIR": work}
+    view = [*base_view(), ("ro", root)]  # the program's files; inside, a fresh tmpfs covers work
     return {"mode": mode, "require": require, "root": root, "work": work, "uid": uid, "argv": argv,
-            "env": env, "hide": hidden_dirs(keep), **limits}  # fmt: skip
+            "env": env, "view": view, "hide": hidden_dirs(keep), **limits}  # fmt: skip
 
 
 def prepare_root(files: dict[str, str], uid: int | None) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 from evalkit.sample import Sample, Skipped
 from evalkit.task import Loaded, keep_all, lm_eval_hooks, sha256_bytes, subsample, unique
 
+VERSION = 1  # bump when the prompt, data handling or scoring changes
 TASK = "aime24"
 REPO = "HuggingFaceH4/aime_2024"
 # Not checked against the hub from here (unreachable): the revision several public pins use for this file.

@@ -24,7 +24,7 @@ class Settings:
     workers: int | None = None  # parallel sandboxes; None = os.cpu_count()
     timeout_s: float = 6.0  # per test, and for the compile step (upstream's default)
     memory_mb: int = 4096  # RLIMIT_AS (upstream intends 4 GB but never applies it)
-    allow_unisolated: bool = False  # run even where the machine gives no network namespace
+    allow_unisolated: bool = False  # run even where sandbox.missing_isolation() objects
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,10 @@ def configure(workers=None, timeout_s=6.0, memory_mb=4096, allow_unisolated=Fals
 
 def record() -> dict:
     iso = sandbox.isolation()
-    if iso["network"] is None and not _settings.allow_unisolated:
+    missing = sandbox.missing_isolation(iso)  # what run_program would refuse: refused here, before any run
+    if missing and not _settings.allow_unisolated:
         raise sandbox.SandboxError(
-            f"LiveCodeBench runs generated code and this machine gives no network isolation ({iso}); "
+            f"LiveCodeBench runs generated code and this machine gives {missing} ({iso}); "
             "set task.setup.allow_unisolated=true to run anyway (recorded in metrics.json)"
         )
     return {**asdict(_settings), "isolation": iso}

@@ -16,6 +16,7 @@ from pathlib import Path
 from evalkit.sample import Sample, Skipped
 from evalkit.task import Loaded, keep_all, lm_eval_hooks, sha256_bytes, subsample
 
+VERSION = 1  # bump when the prompt, data handling or scoring changes
 TASK = "longbench_v2"
 REPO = "THUDM/LongBench-v2"
 # Not checked against the hub from here (unreachable): this revision and the sha256/size of its data.json
