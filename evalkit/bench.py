@@ -67,27 +67,40 @@ def prefill_time(model, ids, cache) -> float:
     return time.perf_counter() - start
 
 
-class CompressTimer:
-    """Wall time spent compressing at prefill (scoring the window, top-K, gathering into the static buffers):
-    the overhead SnapStream adds to a prefill, timed directly (end-to-end prefill ratios carry +-5% noise)."""
+class CallTimer:
+    """Accumulates the wall time spent in `owner.attr` while the block runs (patched in, restored on exit).
+
+    Used to time one part of a forward directly where end-to-end ratios carry +-5% machine noise."""
+
+    def __init__(self, owner, attr: str):
+        self.owner, self.attr, self.inner, self.total = owner, attr, getattr(owner, attr), 0.0
 
     def __enter__(self):
-        from evalkit.kv.cache import KVLayer
-
-        self.cls, self.inner, self.total = KVLayer, KVLayer.compress, 0.0
-        timer = self
-
-        def timed(layer, *args, **kwargs):
+        def timed(*args, **kwargs):
             start = time.perf_counter()
-            out = timer.inner(layer, *args, **kwargs)
-            timer.total += time.perf_counter() - start
+            out = self.inner(*args, **kwargs)
+            self.total += time.perf_counter() - start
             return out
 
-        KVLayer.compress = timed
+        setattr(self.owner, self.attr, timed)
         return self
 
     def __exit__(self, *exc):
-        self.cls.compress = self.inner
+        setattr(self.owner, self.attr, self.inner)
+
+
+def compress_timer() -> CallTimer:
+    """Compression at prefill (scoring the window, top-K, gathering into the static buffers)."""
+    from evalkit.kv.cache import KVLayer
+
+    return CallTimer(KVLayer, "compress")
+
+
+def attention_timer() -> CallTimer:
+    """Attention over the cache (sdpa): the part of a decode step that the cache size drives."""
+    from evalkit.kv import attention
+
+    return CallTimer(attention, "sdpa_attention_forward")
 
 
 def bench_prefill(model, tok, lengths, reps: int) -> list[dict]:
@@ -104,7 +117,7 @@ def bench_prefill(model, tok, lengths, reps: int) -> list[dict]:
         compress = {k: [] for k in make}
         for _ in range(reps):
             for name, new in make.items():
-                with CompressTimer() as timer:
+                with compress_timer() as timer:
                     times[name].append(prefill_time(model, ids, new()))
                 compress[name].append(timer.total)
         base = statistics.median(times["dynamic_cache"])
@@ -220,27 +233,6 @@ def bench_memory(lengths, budgets) -> list[dict]:
     return rows
 
 
-class AttentionTimer:
-    """Accumulates the wall time spent in attention (sdpa over the cache) while the block runs."""
-
-    def __enter__(self):
-        from evalkit.kv import attention
-
-        self.module, self.inner, self.total = attention, attention.sdpa_attention_forward, 0.0
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            out = self.inner(*args, **kwargs)
-            self.total += time.perf_counter() - start
-            return out
-
-        attention.sdpa_attention_forward = timed
-        return self
-
-    def __exit__(self, *exc):
-        self.module.sdpa_attention_forward = self.inner
-
-
 @torch.inference_mode()
 def bench_steps(model, tok, length: int, steps: int) -> list[dict]:
     """Per-step times of full and SnapStream 512, alternating one step each so both see the same noise.
@@ -257,7 +249,7 @@ def bench_steps(model, tok, length: int, steps: int) -> list[dict]:
     rows = []
     for i in range(steps):
         for run in runs:
-            with AttentionTimer() as attn:
+            with attention_timer() as attn:
                 start = time.perf_counter()
                 run[2] = model(run[2], cache=run[1]).logits[:, -1:].argmax(-1)
                 wall = time.perf_counter() - start
