@@ -60,10 +60,18 @@ def prompt_ids(tokenizer, length: int, seed: int = 0) -> torch.Tensor:
     return ids[:, -length:]  # exactly `length` tokens, the question at the end
 
 
+def sync(t: torch.Tensor) -> None:
+    """Wait for queued GPU work, so wall times measure it (a no-op on CPU)."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
 @torch.inference_mode()
 def prefill_time(model, ids, cache) -> float:
+    sync(ids)
     start = time.perf_counter()
     model(ids, cache=cache, logits_to_keep=1)
+    sync(ids)
     return time.perf_counter() - start
 
 
@@ -103,32 +111,36 @@ def attention_timer() -> CallTimer:
     return CallTimer(attention, "sdpa_attention_forward")
 
 
-def bench_prefill(model, tok, lengths, reps: int) -> list[dict]:
-    """Interleaved repetitions so drift hits every configuration alike; the median is reported."""
-    rows = []
-    for n in lengths:
-        ids = prompt_ids(tok, n)
-        make = {
-            "dynamic_cache": lambda: DynamicCache(),
-            "evalkit_full": lambda: KVCache.for_model(Full(), model),
-            "snapstream_1024": lambda: KVCache.for_model(SnapStream(budget=1024), model),
-        }
-        times = {k: [] for k in make}
-        compress = {k: [] for k in make}
-        for _ in range(reps):
-            for name, new in make.items():
-                with compress_timer() as timer:
-                    times[name].append(prefill_time(model, ids, new()))
-                compress[name].append(timer.total)
-        base = statistics.median(times["dynamic_cache"])
-        for name, ts in times.items():
-            t, c = statistics.median(ts), statistics.median(compress[name])
-            rows.append({"prompt_tokens": n, "config": name, "prefill_s": round(t, 3),
-                         "ratio_vs_dynamic": round(t / base, 4), "overhead_pct": round(100 * (t / base - 1), 2),
-                         "compress_s": round(c, 4), "compress_pct_of_prefill": round(100 * c / t, 2),
-                         "reps": reps})  # fmt: skip
-        print(f"prefill {n}: " + ", ".join(f"{r['config']} {r['prefill_s']}s" for r in rows[-3:]), flush=True)
+def prefill_overhead(model, ids, reps: int) -> list[dict]:
+    """Prefill time of DynamicCache, evalkit's full cache and SnapStream 1024 on `ids`: repetitions
+    interleaved so drift hits every configuration alike; the median is reported."""
+    make = {
+        "dynamic_cache": lambda: DynamicCache(),
+        "evalkit_full": lambda: KVCache.for_model(Full(), model),
+        "snapstream_1024": lambda: KVCache.for_model(SnapStream(budget=1024), model),
+    }
+    times = {k: [] for k in make}
+    compress = {k: [] for k in make}
+    for _ in range(reps):
+        for name, new in make.items():
+            with compress_timer() as timer:
+                times[name].append(prefill_time(model, ids, new()))
+            compress[name].append(timer.total)
+    base, rows = statistics.median(times["dynamic_cache"]), []
+    for name, ts in times.items():
+        t, c = statistics.median(ts), statistics.median(compress[name])
+        rows.append({"prompt_tokens": ids.shape[1], "config": name, "prefill_s": round(t, 3),
+                     "ratio_vs_dynamic": round(t / base, 4), "overhead_pct": round(100 * (t / base - 1), 2),
+                     "compress_s": round(c, 4), "compress_pct_of_prefill": round(100 * c / t, 2),
+                     "reps": reps})  # fmt: skip
+    print(
+        f"prefill {ids.shape[1]}: " + ", ".join(f"{r['config']} {r['prefill_s']}s" for r in rows), flush=True
+    )
     return rows
+
+
+def bench_prefill(model, tok, lengths, reps: int) -> list[dict]:
+    return [row for n in lengths for row in prefill_overhead(model, prompt_ids(tok, n), reps)]
 
 
 @torch.inference_mode()
@@ -136,48 +148,59 @@ def decode_steps(model, cache, first_token, steps: int) -> list[float]:
     """Per-step wall times of `steps` greedy decode forwards on a filled cache."""
     token, times = first_token, []
     for _ in range(steps):
+        sync(token)
         start = time.perf_counter()
-        logits = model(token, cache=cache).logits[:, -1:]
-        token = logits.argmax(-1)
+        token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+        sync(token)
         times.append(time.perf_counter() - start)
     return times
 
 
 @torch.inference_mode()
 def recorded_prefill(model, ids) -> tuple[PrefillRecord, torch.Tensor]:
+    """One prefill whose record builds every method's cache (same keys, same selection); its first token."""
     record = PrefillRecord(window=32)
     cache = KVCache.for_model(Full(), model, record=record)
     logits = model(ids, cache=cache, logits_to_keep=1).logits
     return record, logits[:, -1:].argmax(-1)
 
 
-def bench_decode(model, tok, lengths, budgets, steps: int, rounds: int = 6) -> list[dict]:
-    """One recorded prefill per length; every method's cache is built from it (same keys, same selection).
+@torch.inference_mode()
+def filled_cache(method, model, record: PrefillRecord, ids) -> KVCache:
+    """A `method` cache holding the prompt: built from the record, or by its own prefill where the record is
+    not usable (MLA models, see PrefillRecord)."""
+    cache = KVCache.for_model(method, model)
+    if record.usable:
+        populate(cache, record)
+    else:
+        model(ids, cache=cache, logits_to_keep=1)
+    return cache
 
-    Decode steps are measured in interleaved rounds (full, then each budget, repeated) so that machine
-    noise and drift hit every configuration alike; the median step time is reported."""
-    speed = []
-    for n in lengths:
-        record, first = recorded_prefill(model, prompt_ids(tok, n))
-        methods = [Full()] + [SnapStream(budget=b) for b in budgets]
-        caches = []
-        for method in methods:
-            cache = KVCache.for_model(method, model)
-            populate(cache, record)
-            caches.append(cache)
-        del record
-        times: list[list[float]] = [[] for _ in methods]
-        for _ in range(rounds):
-            for i, cache in enumerate(caches):
-                times[i] += decode_steps(model, cache, first, max(2, steps // rounds))[1:]  # drop warm-up
-        base = 1 / statistics.median(times[0])
-        for method, ts in zip(methods, times):
-            tps = 1 / statistics.median(ts)
-            speed.append({"prompt_tokens": n, "config": label(method), "decode_tok_s": round(tps, 2), "steps": len(ts),
-                          "speedup_vs_full": round(tps / base, 2)})  # fmt: skip
-            print(f"decode {n} {label(method)}: {tps:.2f} tok/s", flush=True)
-        del caches
-    return speed
+
+def decode_speed(model, ids, budgets, steps: int, rounds: int = 6) -> list[dict]:
+    """Decode tokens/s of the full cache and SnapStream budgets after the prompt `ids`.
+
+    Steps are measured in interleaved rounds (full, then each budget, repeated) so that machine noise and
+    drift hit every configuration alike; the median step time is reported."""
+    record, first = recorded_prefill(model, ids)
+    methods = [Full()] + [SnapStream(budget=b) for b in budgets]
+    caches = [filled_cache(method, model, record, ids) for method in methods]
+    del record
+    times: list[list[float]] = [[] for _ in methods]
+    for _ in range(rounds):
+        for i, cache in enumerate(caches):
+            times[i] += decode_steps(model, cache, first, max(2, steps // rounds))[1:]  # drop warm-up
+    base, rows = 1 / statistics.median(times[0]), []
+    for method, ts in zip(methods, times):
+        tps = 1 / statistics.median(ts)
+        rows.append({"prompt_tokens": ids.shape[1], "config": label(method), "decode_tok_s": round(tps, 2),
+                     "steps": len(ts), "speedup_vs_full": round(tps / base, 2)})  # fmt: skip
+        print(f"decode {ids.shape[1]} {label(method)}: {tps:.2f} tok/s", flush=True)
+    return rows
+
+
+def bench_decode(model, tok, lengths, budgets, steps: int) -> list[dict]:
+    return [row for n in lengths for row in decode_speed(model, prompt_ids(tok, n), budgets, steps)]
 
 
 def label(method) -> str:
@@ -239,12 +262,9 @@ def bench_steps(model, tok, length: int, steps: int) -> list[dict]:
 
     `attn_ms` is the attention part of the step (what the cache size drives): the whole step is dominated
     by the model's weights on this CPU, so the cache's growth shows most clearly there."""
-    record, first = recorded_prefill(model, prompt_ids(tok, length))
-    runs = []
-    for method in (Full(), SnapStream(budget=512)):
-        cache = KVCache.for_model(method, model)
-        populate(cache, record)
-        runs.append([method.name, cache, first])
+    ids = prompt_ids(tok, length)
+    record, first = recorded_prefill(model, ids)
+    runs = [[m.name, filled_cache(m, model, record, ids), first] for m in (Full(), SnapStream(budget=512))]
     del record
     rows = []
     for i in range(steps):
@@ -301,11 +321,11 @@ def plot_steps(rows: list[dict], path: Path) -> None:
 def profile_step(model, tok, length: int, out: Path) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    record, first = recorded_prefill(model, prompt_ids(tok, length))
+    ids = prompt_ids(tok, length)
+    record, first = recorded_prefill(model, ids)
     text = []
     for method in (Full(), SnapStream(budget=512)):
-        cache = KVCache.for_model(method, model)
-        populate(cache, record)
+        cache = filled_cache(method, model, record, ids)
         decode_steps(model, cache, first, 3)  # warm up
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             decode_steps(model, cache, first, 1)

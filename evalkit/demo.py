@@ -11,43 +11,42 @@ import random
 
 import torch
 
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-TEMPLATE = (
-    "A special magic number is hidden within the following text. Make sure to memorize it. "
-    "I will quiz you about the number afterwards.\n{context}\n"
-    "What is the special magic number for {key} mentioned in the provided text?"
-)
-PREFIX = " The special magic number for {key} mentioned in the provided text is"
+from evalkit.sample import render
+from tasks.ruler.constants import NIAH_NEEDLE, NIAH_PREFIX, NIAH_TEMPLATE, NOISE
+from tasks.ruler.generate import singular
+
+# RULER's niah_single_1 with one number: its template, answer prefix and needle, upstream's singular rewrite
+TEMPLATE = singular(NIAH_TEMPLATE).replace("{type_needle_v}", "number")
+PREFIX = singular(NIAH_PREFIX).replace("{type_needle_v}", "number")
 KEYS = ["amber-harbor", "quiet-falcon", "silver-meadow", "brisk-lantern", "velvet-canyon", "hollow-orchard"]
 
 
-def render(tokenizer, prompt: str, answer_prefix: str = "") -> str:
-    """The text the model sees: its chat template with the user turn, then the assistant prefill."""
-    messages = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + answer_prefix
-
-
-def needle_sample(tokenizer, length: int, seed: int, depth: float = 0.5) -> tuple[str, str]:
-    """(rendered prompt of about `length` tokens, the 7-digit answer) with the needle at `depth`."""
+def needle_sample(tokenizer, length: int, seed: int) -> tuple[str, str]:
+    """(rendered prompt of about `length` tokens, the 7-digit answer) with the needle in the middle."""
     rng = random.Random(seed)
     key, value = rng.choice(KEYS), str(rng.randint(10**6, 10**7 - 1))
-    needle = f"One of the special magic numbers for {key} is: {value}."
+    needle = NIAH_NEEDLE.format(type_needle_v="numbers", key=key, value=value)
     per_line = len(tokenizer(NOISE + "\n", add_special_tokens=False)["input_ids"])
     lines = [NOISE] * max(1, (length - 120) // per_line)
-    lines.insert(int(len(lines) * depth), needle)
-    text = render(tokenizer, TEMPLATE.format(context="\n".join(lines), key=key), PREFIX.format(key=key))
-    return text, value
+    lines.insert(len(lines) // 2, needle)
+    return render(
+        tokenizer, TEMPLATE.format(context="\n".join(lines), query=key), PREFIX.format(query=key)
+    ), value
 
 
 @torch.inference_mode()
 def run(model, tokenizer, methods, length: int = 1500, n: int = 3, max_new_tokens: int = 12) -> list[dict]:
     from evalkit.kv import generate
 
+    prompts = []  # the same n prompts for every method
+    for seed in range(n):
+        text, value = needle_sample(tokenizer, length, seed)
+        prompts.append(
+            (seed, tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"], value)
+        )
     rows = []
     for method in methods:
-        for seed in range(n):
-            text, value = needle_sample(tokenizer, length, seed)
-            ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        for seed, ids, value in prompts:
             out, stats = generate(model, ids, method, max_new_tokens=max_new_tokens, do_sample=False)
             answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
             rows.append(

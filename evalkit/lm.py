@@ -27,23 +27,9 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from evalkit.kv import Full, KVCache
-from evalkit.sample import Sample
+from evalkit.sample import Sample, render
 
 DOC_FIELDS = {"id", "task", "prompt", "answers", "max_new_tokens"}
-
-
-def render(tokenizer, sample: Sample) -> str:
-    """The exact text the model sees: chat template (system + user turn), then the assistant prefill."""
-    if not tokenizer.chat_template:  # base models: the bare prompt, like RULER's "base" template
-        head = f"{sample.system}\n\n" if sample.system else ""
-        return head + sample.prompt + sample.answer_prefix
-    messages = ([{"role": "system", "content": sample.system}] if sample.system else []) + [
-        {"role": "user", "content": sample.prompt}
-    ]
-    return (
-        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        + sample.answer_prefix
-    )
 
 
 def prompt_hash(text: str) -> str:
@@ -76,9 +62,8 @@ class Prompt:
     max_new: int
     gen: dict  # the request's generation kwargs (until, sampling)
     sample: Sample | None = None
-    followup: str | None = (
-        None  # "module:function" making a second call from the first output (LongBench CoT)
-    )
+    # "module:function" making a second call from the first output (LongBench CoT)
+    followup: str | None = None
 
 
 @register_model("evalkit")
@@ -125,7 +110,7 @@ class EvalkitLM(HFLM):
             pretrained=hf_model,
             tokenizer=tokenizer,
             batch_size=int(batch_size),
-            max_length=max_length or context_length(hf_model, spec),
+            max_length=max_length or context_length(spec, hf_model.config),
         )
 
     # --- the hook lm-eval's HFLM calls: a fresh compressed cache per generate call -------------------------
@@ -135,9 +120,7 @@ class EvalkitLM(HFLM):
             generation_kwargs["stopping_criteria"] = stop_sequences_criteria(
                 self.tokenizer, stop, context.shape[1], context.shape[0]
             )
-        out = self.model.generate(input_ids=context, cache=cache, **generation_kwargs)
-        self.last_cache_stats = cache.stats()
-        return out
+        return self.model.generate(input_ids=context, cache=cache, **generation_kwargs)
 
     # --- generation requests ---------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -201,7 +184,12 @@ class EvalkitLM(HFLM):
             return Prompt(key, context, limit, gen, followup=followup)
         sample = Sample.from_doc(doc)
         return Prompt(
-            key, render(self.tokenizer, sample), min(sample.max_new_tokens, limit), gen, sample, followup
+            key,
+            render(self.tokenizer, sample.prompt, sample.answer_prefix, sample.system),
+            min(sample.max_new_tokens, limit),
+            gen,
+            sample,
+            followup,
         )
 
     def _cap(self, n: int) -> int:
@@ -217,9 +205,8 @@ class EvalkitLM(HFLM):
         for item in todo:
             groups.setdefault(json.dumps(item[1].gen, sort_keys=True, default=str), []).append(item)
         for items in groups.values():
-            size = (
-                1 if generation_config(items[0][1].gen, 1, [0], 0).do_sample else max(1, int(self.batch_size))
-            )
+            sampled = generation_config(items[0][1].gen, 1, [0], 0).do_sample
+            size = 1 if sampled else max(1, int(self.batch_size))
             for start in range(0, len(items), size):
                 yield items[start : start + size]
 
@@ -233,7 +220,15 @@ class EvalkitLM(HFLM):
         second = []
         for p, first in zip(prompts, texts):
             s = make(p.sample, first)
-            second.append(Prompt(p.key, render(self.tokenizer, s), self._cap(s.max_new_tokens), p.gen, s))
+            second.append(
+                Prompt(
+                    p.key,
+                    render(self.tokenizer, s.prompt, s.answer_prefix, s.system),
+                    self._cap(s.max_new_tokens),
+                    p.gen,
+                    s,
+                )
+            )
         # The answer call carries no document: upstream's compression only ever touched the first call, so
         # evalkit runs it with a full cache at every budget (recorded as followup_method in the stats).
         finals, second_stats, _ = self._generate(second, Full())
@@ -261,7 +256,7 @@ class EvalkitLM(HFLM):
             out = self._model_generate(input_ids, stop=until or None, attention_mask=mask,
                                        generation_config=config, cache=cache)  # fmt: skip
         wall = time.perf_counter() - start
-        texts, stats = [], []
+        texts, stats, rows = [], [], cache.row_stats()
         for r, p in enumerate(prompts):
             toks = out[r, width:].tolist()[: p.max_new]
             ended = next((j for j, t in enumerate(toks) if t in eos), None)
@@ -271,7 +266,7 @@ class EvalkitLM(HFLM):
                 text = text.split(stop)[0]
             if p.text.endswith("<think>\n"):  # R1-style templates open the thinking block in the prompt
                 text = "<think>\n" + text
-            row = self.last_cache_stats["rows"][r]
+            row = rows[r]
             texts.append(text)
             stats.append(
                 dict(

@@ -37,9 +37,8 @@ class ModelSpec:
     dtype: str = "float32"
     device_map: str | None = None
     max_length: int | None = None  # context override; default: the config's max_position_embeddings
-    max_new_tokens: int | None = (
-        None  # cap on tokens generated per request (CPU smoke runs); None = the task's
-    )
+    # cap on tokens generated per request (CPU smoke runs); None = the task's
+    max_new_tokens: int | None = None
     seed: int = 0
 
 
@@ -74,10 +73,7 @@ def resolve_source(spec: ModelSpec) -> str:
 
 
 def _from_pretrained(spec: ModelSpec, source: str):
-    try:
-        config = AutoConfig.from_pretrained(source, revision=spec.revision)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(_explain(spec, source, e)) from None
+    config = model_config(spec, source)
     if type(config) not in AutoModelForCausalLM._model_mapping:
         raise ModelLoadError(
             f"model {spec.name}: unsupported architecture {config.model_type!r} (no causal-LM class in transformers "
@@ -130,8 +126,7 @@ def tokenizer_source(name: str | None) -> str:
 
 def random_model(spec: ModelSpec):
     """Random weights from a config dict: tiny versions of real architectures for tests and GPU checks."""
-    cfg = dict(spec.random)
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config = model_config(spec, None)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(
         config, dtype=getattr(torch, spec.dtype), attn_implementation="sdpa"
@@ -141,9 +136,8 @@ def random_model(spec: ModelSpec):
 
 def embedded_folder(spec: ModelSpec) -> Path:
     """The safetensors folder converted from a PyPI-shipped GGUF file, converting on first use."""
-    found = importlib.util.find_spec(
-        spec.gguf["package"]
-    )  # locate without importing: its __init__ pulls a plugin
+    # located, not imported: its __init__ pulls a plugin
+    found = importlib.util.find_spec(spec.gguf["package"])
     if found is None or not found.submodule_search_locations:
         raise ModelLoadError(
             f"model {spec.name}: the package {spec.gguf['package']!r} is not installed; "
@@ -177,27 +171,24 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def context_length(model, spec: ModelSpec) -> int:
-    """Prompt + generation token limit: the override, else the config's trained window."""
-    if spec.max_length:
-        return spec.max_length
-    config = model.config.get_text_config()
-    return int(getattr(config, "max_position_embeddings", 0) or 8192)
-
-
 def tokenizer_path(spec: ModelSpec) -> str:
     """Folder or hub id of the spec's tokenizer, without loading the model."""
     return tokenizer_source(spec.tokenizer) if spec.random is not None else resolve_source(spec)
 
 
-def context_limit(spec: ModelSpec, source: str) -> int:
-    """`context_length` from the config alone (data is prepared before the weights load)."""
-    if spec.max_length:
-        return spec.max_length
+def model_config(spec: ModelSpec, source: str | None):
+    """The model's config without its weights (data is prepared before the weights load)."""
     if spec.random is not None:
-        return int(spec.random.get("max_position_embeddings", 8192))
+        cfg = dict(spec.random)
+        return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     try:
-        config = AutoConfig.from_pretrained(source, revision=spec.revision).get_text_config()
+        return AutoConfig.from_pretrained(source, revision=spec.revision)
     except (OSError, ValueError) as e:
         raise ModelLoadError(_explain(spec, source, e)) from None
-    return int(getattr(config, "max_position_embeddings", 0) or 8192)
+
+
+def context_length(spec: ModelSpec, config) -> int:
+    """Prompt + generation token limit: the override, else the config's trained window."""
+    if spec.max_length:
+        return spec.max_length
+    return int(getattr(config.get_text_config(), "max_position_embeddings", 0) or 8192)

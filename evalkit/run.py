@@ -111,24 +111,18 @@ def load_data(p: Plan, tokenizer_source: str, context: int):
     kwargs["model_context"] = context
     try:
         return load_task(p.cfg.task.name, p.task_module.load, **kwargs), kwargs
-    except (
-        FileNotFoundError,
-        LookupError,
-        ValueError,
-        OSError,
-        RuntimeError,
-    ) as e:  # bad data or data options
+    except (LookupError, ValueError, OSError, RuntimeError) as e:  # bad data or data options
         raise DataError(f"task {p.cfg.task.name}: {e}") from None
 
 
 def evaluate(plans: list[Plan]) -> list[tuple[dict, list[dict]]]:
     """Evaluate one or more budgets of one method; every budget after the first replays the first's prefills."""
     from evalkit.lm import EvalkitLM
-    from evalkit.models import context_limit, tokenizer_path
+    from evalkit.models import context_length, model_config, resolve_source, tokenizer_path
 
     p = plans[0]
     source = tokenizer_path(p.spec)
-    context = context_limit(p.spec, source)
+    context = context_length(p.spec, model_config(p.spec, resolve_source(p.spec)))
     loaded, load_kwargs = load_data(p, source, context)  # data problems surface before the model loads
     setup = configure_task(p)
     model, tokenizer = get_model(p.spec)

@@ -13,6 +13,16 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 
+def render(tokenizer, prompt: str, answer_prefix: str = "", system: str | None = None) -> str:
+    """The exact text the model sees: chat template (system + user turn), then the assistant prefill. A
+    tokenizer without a chat template (a base model) gets the bare prompt, as RULER's "base" template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return (f"{system}\n\n" if system else "") + prompt + answer_prefix
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + answer_prefix
+
+
 @dataclass
 class Sample:
     id: str  # unique within the task (and stable across runs: results are keyed on it)

@@ -7,7 +7,7 @@ so that jobs running in other processes (the joblib launcher) can read it.
 
 from __future__ import annotations
 
-import itertools
+import math
 from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -22,7 +22,7 @@ def count_jobs(config: DictConfig) -> int:
     sizes: dict[str, int] = {}
     for o in overrides:  # a later override of a key replaces an earlier one, as in the sweeper
         sizes[o.get_key_element()] = len(list(o.sweep_string_iterator())) if o.is_sweep_override() else 1
-    return max(1, list(itertools.accumulate(sizes.values(), lambda a, b: a * b, initial=1))[-1])
+    return max(1, math.prod(sizes.values()))
 
 
 class SweepProgress(Callback):

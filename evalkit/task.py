@@ -18,6 +18,7 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from evalkit.sample import Sample, Skipped
@@ -38,6 +39,21 @@ def sha256_bytes(data: bytes) -> str:
 
 def sha256_rows(rows: list[dict]) -> str:
     return sha256_bytes(json.dumps(rows, sort_keys=True, ensure_ascii=False).encode())
+
+
+def data_file(source: str, sample: Path, repo: str, filename: str, revision: str) -> tuple[Path, str]:
+    """The file `source` names and its provenance tag: "sample" (the bundled file), "hub" (one pinned file of a
+    hub dataset repo, downloaded as is: no dataset loader script runs) or a local path."""
+    if source == "sample":
+        return sample, "sample"
+    if source == "hub":
+        from huggingface_hub import hf_hub_download
+
+        return Path(
+            hf_hub_download(repo, filename, repo_type="dataset", revision=revision)
+        ), f"hub:{repo}@{revision}"
+    path = Path(source).resolve()
+    return path, f"local:{path}"
 
 
 def unique(items: Iterable[Sample | Skipped], what: str = "id") -> tuple[list[Sample], list[Skipped]]:
@@ -68,9 +84,8 @@ def get_tokenizer(name_or_path: str):
 
     from evalkit.models import tokenizer_source
 
-    return AutoTokenizer.from_pretrained(
-        tokenizer_source(name_or_path)
-    )  # a model conf name, folder or hub id
+    source = tokenizer_source(name_or_path)  # a model conf name, folder or hub id
+    return AutoTokenizer.from_pretrained(source)
 
 
 _MEMO: dict[tuple, Loaded] = {}
@@ -103,10 +118,9 @@ def lm_eval_hooks(name: str, load: Callable[..., Loaded], score: Callable[[list[
         from datasets import Dataset
 
         kwargs = {k: v for k, v in metadata.items() if k not in LM_EVAL_METADATA}
+        # lm-eval CLI: --model_args model=<conf> reaches the task's metadata; its tokenizer is the model's
         if "tokenizer" not in kwargs and isinstance(kwargs.get("model"), str):
-            kwargs["tokenizer"] = kwargs[
-                "model"
-            ]  # lm-eval CLI: --model_args model=<conf> reaches task metadata
+            kwargs["tokenizer"] = kwargs["model"]
         loaded = load_task(name, load, **kwargs)
         return {"test": Dataset.from_list([s.to_doc() for s in loaded.samples])}
 

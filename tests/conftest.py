@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -32,15 +31,12 @@ TINY = {
 
 
 def tiny_model(arch: str, seed: int = 0):
-    """A random model of a real architecture, evalkit attention attached, fp32, eval mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    """A random model of a real architecture, evalkit attention attached, fp32, eval mode: what the runner
+    builds for a `random:` model conf (e.g. tiny_llama)."""
     from evalkit.kv import attach
+    from evalkit.models import ModelSpec, random_model
 
-    cfg = dict(TINY[arch])
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    torch.manual_seed(seed)
-    return attach(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    return attach(random_model(ModelSpec(name=f"tiny_{arch}", random=TINY[arch], seed=seed)).eval())
 
 
 @pytest.fixture(scope="session")

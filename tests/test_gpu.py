@@ -7,8 +7,9 @@ still reproduce the full cache when the budget holds everything, and keep the ri
 import pytest
 import torch
 
-from evalkit.kv import Full, KVCache, SnapKV, SnapStream, StreamingLLM, generate
+from evalkit.kv import KVCache, SnapStream, generate
 from tests.conftest import tiny_model
+from tests.test_kv_equivalence import methods
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,8 +29,9 @@ def test_bf16_equivalence_on_cuda(arch):
         return_dict_in_generate=True,
     )
     ref = model.generate(ids, **kw)
-    for method in (Full(), StreamingLLM(budget=400), SnapKV(budget=400), SnapStream(budget=400)):
-        out, _ = generate(model, ids, method, **kw)
+    for method in methods(400):  # each with room for the prompt and all 32 generated tokens
+        out, stats = generate(model, ids, method, **kw)
+        assert stats["evicted"] == 0, method
         assert torch.equal(out.sequences, ref.sequences), method.name
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(out.logits, ref.logits))
         assert diff <= 2e-2, (method.name, diff)

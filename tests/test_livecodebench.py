@@ -215,7 +215,7 @@ def test_hub_reads_pinned_raw_shards(tmp_path, monkeypatch):
     assert got.source == f"hub:livecodebench/code_generation_lite@{lcb.REVISION}" and len(got.samples) == 2
 
 
-def test_n_subset_is_seeded(loaded):
+def test_n_subset_is_seeded():
     a, b = lcb.load(n=4, seed=1), lcb.load(n=4, seed=1)
     assert [s.id for s in a.samples] == [s.id for s in b.samples] and len(a.samples) == 4
 
@@ -279,6 +279,9 @@ STDIN = Cases(["1 2\n", "5 7\n"], ["3\n", "12\n"], None)
         ("import os\nos._exit(0)", "runtime_error"),  # gone before reporting
         ("import os\nos.kill(os.getpid(), 9)", "sandbox_kill"),
         ("import os\nwhile True:\n    os.write(1, b'x' * 65536)", "sandbox_kill"),  # output cap
+        # hostile or odd output is judged, never crashes the grader
+        ("input()\nprint('sNaN')", "wrong_answer"),  # a signalling NaN cannot be compared
+        ("import os\nos.write(3, b'[' * 100000 + b'\\n')\ninput()", "runtime_error"),  # too deep to decode
     ],
 )  # fmt: skip
 def test_stdin_semantics(code, outcome):
@@ -300,6 +303,8 @@ CALL = Cases(["[3,1,2]", "[5]"], ["[1, 3]", "[5, 5]"], "extremes")
         ("class Solution:\n    def extremes(self, nums):\n        import sys; sys.exit(0)", "runtime_error"),
         ("class Solution:\n    def other(self, nums):\n        return nums", "compile_error"),
         ("import sys\nsys.exit(1)", "compile_error"),
+        ("class Solution:\n    def extremes(self, nums):\n        x = []\n        for _ in range(5000):\n            x = [x]\n        return x", "wrong_answer"),  # nested too deep for the host's decoder
+        ("import os\nclass Solution:\n    def extremes(self, nums):\n        os.write(3, b'{\"ev\": \"test\", \"i\": 0, \"out\": 5}\\n')\n        return nums", "wrong_answer"),  # forged event
     ],
 )  # fmt: skip
 def test_functional_semantics(code, outcome):

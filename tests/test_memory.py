@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from evalkit.config import compose
 from evalkit.memory import (
     Deployment,
     Hardware,
@@ -43,8 +43,7 @@ SMOLLM2 = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=
 
 
 def compose_cfg(*overrides: str) -> dict:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return OmegaConf.to_container(compose("memory", overrides=list(overrides)), resolve=True)
+    return OmegaConf.to_container(compose("memory", list(overrides)), resolve=True)
 
 
 # --- formulas -------------------------------------------------------------------------------------
@@ -166,11 +165,15 @@ def test_tp_kv_heads_shards_one_sequence(tmp_path):
 SMOL_BYTES_PER_ENTRY = 2 * 30 * 3 * 64 * 4  # 2 (K, V) x layers x KV heads x head_dim x fp32
 
 
-def write_run(root: Path, run: str, method: str, budget, entries: int, peak_bytes: int, **model) -> None:
-    """A metrics.json with the fields the runner promises; `model` overrides the SmolLM2 defaults."""
+def write_run(root: Path, run: str, method: str, budget, entries: int, peak_bytes: int, lengths=(2000, 2064),
+              **model) -> None:  # fmt: skip
+    """A metrics.json with the fields the runner promises; `model` overrides the SmolLM2 defaults.
+    `lengths`: the peak request's (prompt, seen) tokens; None writes an older file without them."""
     model = {"name": run.split("/")[0], "dtype": "float32", "hf_config": SMOLLM2} | model
     layout = "latent" if "kv_lora_rank" in model["hf_config"] else "per_head"
     kv = {"peak_bytes": peak_bytes, "peak_entries": entries, "cache_layout": layout}
+    if lengths is not None:
+        kv |= {"peak_prompt_tokens": lengths[0], "peak_seen_tokens": lengths[1]}
     path = root / "runs" / "ruler" / run / "metrics.json"
     path.parent.mkdir(parents=True)
     method_ = {"name": method, "budget": budget, "sink": 4}
@@ -181,7 +184,8 @@ def test_predicted_matches_measured_for_synthetic_runs(tmp_path):
     from transformers import LlamaConfig
 
     smol = LlamaConfig(**SMOLLM2).to_dict()  # the shape the runner writes: config.to_dict()
-    runs = [("none", None, 1536), ("snapstream", 256, 256), ("streaming_llm", 128, 128),
+    # (prompt, seen) = (2000, 2064) by default: full holds 2064, snapkv min(2000, 256) + 64 decoded
+    runs = [("none", None, 2064), ("snapstream", 256, 256), ("streaming_llm", 128, 128),
             ("snapkv", 256, 256 + 64), ("snapstream", 1024, 1024)]  # fmt: skip
     for method, budget, entries in runs:
         peak = SMOL_BYTES_PER_ENTRY * entries
@@ -203,8 +207,19 @@ def test_predicted_matches_measured_for_synthetic_runs(tmp_path):
 
     rows, notes = measured_rows(tmp_path)
     assert len(rows) == 6 and all(r["match"] for r in rows)
+    assert {r["entries_from"] for r in rows} == {"lengths"}
     assert {r["bytes_per_entry"] for r in rows if r["model"] == "smollm2_135m"} == {SMOL_BYTES_PER_ENTRY}
     assert len(notes) == 1 and "old/metrics.json" in notes[0] and "KeyError" in notes[0]
+
+
+def test_growing_cache_is_predicted_from_lengths(tmp_path):
+    # snapkv 256 after a 2000-token prompt and 64 decoded tokens holds 320 entries; a cache reporting 300
+    # disagrees; an older file without lengths can only echo what it measured, and says so
+    write_run(tmp_path, "a/snapkv/256", "snapkv", 256, 300, SMOL_BYTES_PER_ENTRY * 300)
+    write_run(tmp_path, "b/snapkv/256", "snapkv", 256, 300, SMOL_BYTES_PER_ENTRY * 300, lengths=None)
+    (new, old), _ = measured_rows(tmp_path)
+    assert (new["predicted_entries"], new["entries_from"], new["match"]) == (320, "lengths", False)
+    assert (old["predicted_entries"], old["entries_from"]) == (300, "measured")
 
 
 def test_measured_mismatch_is_flagged(tmp_path):

@@ -23,11 +23,14 @@ def test_loads_saved_weights_from_a_local_path(arch, tmp_path, smollm2):
     """The path used for Llama-3.1 / Qwen3 / DeepSeek-R1 weights, on tiny random weights of the same architecture."""
     cfg = dict(TINY[arch])
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    saved = AutoModelForCausalLM.from_config(config)
+    saved.save_pretrained(tmp_path)
     smollm2[1].save_pretrained(tmp_path)  # any tokenizer will do for loading
     model, tok = load_model(ModelSpec(name=f"tiny_{arch}", path=str(tmp_path), dtype="float32"))
     assert model.config._attn_implementation == "evalkit" and tok.padding_side == "left"
     assert model.config.model_type == config.model_type
+    want, got = saved.state_dict(), model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)  # the saved weights
 
 
 def test_missing_local_weights(tmp_path):

@@ -5,6 +5,7 @@ import json
 from omegaconf import OmegaConf
 
 from evalkit.results import Journal, budget_tag
+from evalkit.task import subsample
 
 
 def test_journal_keeps_complete_records_and_drops_a_torn_line(tmp_path):
@@ -50,3 +51,12 @@ def test_budget_tag_names_every_changed_setting():
     changed = OmegaConf.create({"budget": 512, "sink": 4, "recent": 64, "window": 16})
     assert budget_tag(changed, defaults) == "512-recent64-window16"
     assert budget_tag(OmegaConf.create({"budget": None}), OmegaConf.create({"budget": None})) == "none"
+
+
+def test_subsample_is_seeded_and_keeps_input_order():
+    items = list(range(50))
+    picks = {tuple(subsample(items, 10, seed)) for seed in range(5)}
+    assert len(picks) == 5  # the seed chooses the subset
+    assert all(list(p) == sorted(p) and len(p) == 10 for p in picks)  # in input order
+    assert subsample(items, 10, 3) == subsample(items, 10, 3) and subsample(items, None, 0) == items
+    assert subsample(items, 80, 0) == items

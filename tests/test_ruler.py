@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from evalkit.sample import render
 from tasks.ruler import constants as C
 from tasks.ruler import data as ruler_data
 from tasks.ruler import generate as gen
@@ -459,12 +460,11 @@ def test_needs_tokenizer_and_known_tasks(tok):
 
 
 def test_rendering_counts_what_the_model_sees(tok):
-    rendered = gen.render_prompt(tok, "hi there.")
+    rendered = render(tok, "hi there.")
     assert rendered == "<|im_start|>user\nhi there.<|im_end|>\n<|im_start|>assistant\n"
-    assert count_tokens(tok, "hi there.", " Answer:") == len(
-        tok.encode(rendered + " Answer:", add_special_tokens=False)
-    )
-    assert gen.render_prompt(make_tokenizer(chat_template=None), "hi") == "hi"  # base model: bare prompt
+    # <|im_start|> user \n hi there . <|im_end|> \n <|im_start|> assistant \n, then " Answer:" (2 tokens)
+    assert count_tokens(tok, "hi there.", " Answer:") == 10
+    assert render(make_tokenizer(chat_template=None), "hi") == "hi"  # base model: bare prompt
 
 
 def test_lm_eval_hook_scores_a_doc(tok, tmp_path):

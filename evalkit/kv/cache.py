@@ -213,9 +213,8 @@ class KVCache(Cache):
         self.step = 0  # decode forwards
         self.used = 0  # slots in use per row (static `budget` for ring methods)
         self.visible = 0  # slots attention reads this step (a prefix of `used`)
-        self.step_mask: torch.Tensor | None = (
-            None  # (B, 1, q, visible) bool for this step, None = attend to all
-        )
+        # (B, 1, q, visible) bool for this step, None = attend to all
+        self.step_mask: torch.Tensor | None = None
         self.has_topk = False  # some row keeps a SnapKV selection (scoring runs at prefill)
         self._has_pad = False  # append methods: left-pad holes in the prompt block need a mask
         super().__init__(layers=[KVLayer(self, i) for i in range(num_layers)])
@@ -230,9 +229,7 @@ class KVCache(Cache):
         """Plan the layout once, at the first layer's prefill; every later layer shares it."""
         if self.rows is None:
             rows = plan_rows(self.method, valid_columns(attention_mask, b, t, device))
-            if (
-                not self.method.ring
-            ):  # room to append before the first reallocation; those columns will be valid
+            if not self.method.ring:  # room to append before reallocating; those columns will be valid
                 rows.valid = torch.cat([rows.valid, rows.valid.new_ones(b, max(64, rows.n // 4))], 1)
             self.rows, self.seen, self.used = rows, t, rows.n
             self.has_topk = bool(rows.topk.max() > 0)  # one sync per prefill
@@ -294,9 +291,7 @@ class KVCache(Cache):
             self._slot, self._pos = slots[0], self._positions(q)
         else:  # ring rows at different slots (only ring methods get here)
             p = rows.next_pos
-            self._slot = torch.where(
-                p < sink, p, sink + (p - sink) % rows.tail
-            )  # (B,) computed on the device
+            self._slot = torch.where(p < sink, p, sink + (p - sink) % rows.tail)  # (B,) on the device
             self._pos = self._positions(1)
         rows.next_pos += q
         self.seen += q

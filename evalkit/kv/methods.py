@@ -32,9 +32,8 @@ class KVMethod:
 
     name: ClassVar[str]
     ring: ClassVar[bool]  # True: fixed-size cache, decode overwrites the oldest tail entry in place
-    budget_applies: ClassVar[bool] = (
-        True  # False for `full`: sweeps may list it with budgets, which name one run
-    )
+    # False for `full`: sweeps may list it with budgets, which all name its one run
+    budget_applies: ClassVar[bool] = True
 
     def blocks(self) -> tuple[int, int, int]:
         """(sink, tail, top-K) used when a prompt does not fit in the budget."""

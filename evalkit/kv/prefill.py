@@ -42,6 +42,8 @@ class PrefillRecord:
 
 def populate(cache, record: PrefillRecord) -> None:
     """Fill an empty KVCache from a record, exactly as its own prefill would have."""
+    if not record.usable:
+        raise ValueError("this prefill record is not usable (an MLA model's): prefill the cache itself")
     for idx, layer in enumerate(cache.layers):
         keys, values, queries, scaling = record.layers[idx]
         layer.lazy_initialization(keys, values)

@@ -141,10 +141,12 @@ ASSUMPTIONS = """\
 - **SRAM tile**: one layer of one sequence's attention on one socket: its cache slots (the whole cache
   unless tile_tokens is set), the query and fp32 score rows, against the on-chip SRAM.
 - **Measured**: for runs under results_dir/runs, the predicted bytes are bytes per entry (from the run's
-  own HF config, dtype and cache layout) x the budget for fixed-size caches, or x the run's own peak
-  entries for growing caches (metrics.json does not carry the prompt and generation lengths); a run
-  agrees when bytes and entries both match exactly. peak_bytes is taken as one sequence's cache
-  (batch 1).
+  own HF config, dtype and cache layout) x the entries the method holds for the peak request's prompt and
+  decoded lengths (metrics.json records both): the budget for fixed-size caches, every token for full,
+  min(prompt, budget) + decoded tokens for snapkv (entries_from "lengths"). A metrics.json written before
+  the lengths were recorded falls back to the budget (fixed-size) or echoes the measured entries
+  (growing, entries_from "measured": not a check). A run agrees when bytes and entries both match exactly.
+  peak_bytes is taken as one sequence's cache (batch 1).
 """
 
 

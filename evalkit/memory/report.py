@@ -150,7 +150,8 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
     dtype, budget and the peak request's prompt and decoded lengths (never from the measured entries)."""
     rows, notes = [], []
     root = Path(results_dir) / "runs"
-    for path in sorted(root.glob("**/metrics.json")):
+    paths = sorted(root.glob("**/metrics.json"))
+    for path in paths:
         rel = path.relative_to(root).as_posix()
         try:
             m = json.loads(path.read_text())
@@ -158,24 +159,28 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
             method, budget = canonical_method(m["method"]["name"]), m["method"].get("budget")
             peak_bytes, peak_entries = int(kv["peak_bytes"]), int(kv["peak_entries"])
             geo = kv_geometry(hf_config, dtype, kv["cache_layout"])
+            if kv.get("peak_seen_tokens") is not None:
+                source = "lengths"
+                entries = run_entries(
+                    method, budget, int(kv["peak_prompt_tokens"]), int(kv["peak_seen_tokens"])
+                )
+            elif method in FIXED_SIZE:
+                source, entries = "budget", int(budget)
+            else:  # an older metrics.json without lengths: a growing cache cannot be predicted, only echoed
+                source, entries = "measured", peak_entries
         except (KeyError, TypeError, ValueError) as e:  # MemoryReportError is a ValueError
             notes.append(f"{rel}: skipped ({type(e).__name__}: {e})")
             continue
-        fixed = method in FIXED_SIZE
-        if kv.get("peak_seen_tokens") is not None:
-            entries = run_entries(method, budget, int(kv["peak_prompt_tokens"]), int(kv["peak_seen_tokens"]))
-        else:  # older metrics.json: growing caches can only be checked per entry
-            entries = int(budget) if fixed and budget is not None else peak_entries
         predicted = geo.bytes_per_entry * entries
         rows.append({
             "run": rel, "task": m.get("task"), "model": m["model"].get("name"), "method": method,
             "budget": budget, "cache_layout": geo.layout, "dtype": dtype,
-            "bytes_per_entry": geo.bytes_per_entry, "entries_from": "budget" if fixed else "lengths",
+            "bytes_per_entry": geo.bytes_per_entry, "entries_from": source,
             "predicted_entries": entries, "measured_entries": peak_entries,
             "predicted_bytes": predicted, "measured_bytes": peak_bytes,
             "match": predicted == peak_bytes and entries == peak_entries,
         })  # fmt: skip
-    if not any(root.glob("**/metrics.json")):
+    if not paths:
         notes.append(f"no runs under {root} yet")
     return rows, notes
 

@@ -92,9 +92,9 @@ def run_program(code: str, stdin: str = "", *, timeout_s: float, memory_mb: int,
     missing = missing_isolation(iso)
     if missing and not allow_unisolated:
         raise SandboxError(f"{missing} here ({iso}); pass allow_unisolated=True to override")
-    limits = {"memory_mb": memory_mb, "cpu_s": cpu_s or timeout_s, "disk_mb": disk_mb, "nproc": nproc,
-              "nofile": 256, "output_limit": output_limit}  # fmt: skip
-    res, _ = _run(code, stdin, mode="run", require=iso, timeout_s=timeout_s, on_event=on_event, **limits)
+    res, _ = _run(code, stdin, mode="run", require=iso, timeout_s=timeout_s, memory_mb=memory_mb,
+                  cpu_s=cpu_s or timeout_s, disk_mb=disk_mb, nproc=nproc, output_limit=output_limit,
+                  on_event=on_event)  # fmt: skip
     return res
 
 
@@ -143,7 +143,7 @@ def _classify(p: _host.Pumped, boot_rc: int | None, wall_s: float) -> RunResult:
         status = "sandbox_error"
     elif ws is None:  # P's end unknown: the bootstrap was killed (by the program) or failed (our bug)
         status, rc = ("killed", boot_rc) if (boot_rc or 0) < 0 else ("sandbox_error", boot_rc)
-        error = error or f"bootstrap exited {boot_rc} without a status: {err[-2000:]}"
+        error = f"bootstrap exited {boot_rc} without a status: {err[-2000:]}"
     elif os.WIFEXITED(ws):
         rc = os.WEXITSTATUS(ws)
         last = err.rstrip().rsplit("\n", 1)[-1]

@@ -277,7 +277,7 @@ def _lines(buf: bytearray, chunk: bytes) -> list[dict]:
     for line in lines:
         try:
             msg = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # the candidate can write to this pipe too
             msg = None
         msgs.append(msg if isinstance(msg, dict) else {"garbage": line[:200].decode(errors="replace")})
     return msgs

@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from evalkit.sample import Sample, Skipped
-from evalkit.task import Loaded, keep_all, lm_eval_hooks, sha256_bytes, subsample, unique
+from evalkit.task import Loaded, data_file, keep_all, lm_eval_hooks, sha256_bytes, subsample, unique
 
 VERSION = 1  # bump when the prompt, data handling or scoring changes
 TASK = "aime24"
@@ -86,16 +86,7 @@ def _rows(path: Path) -> list:
 
 
 def _read(source: str) -> tuple[list, str, str]:
-    if source == "sample":
-        path, tag = SAMPLE, "sample"
-    elif source == "hub":
-        from huggingface_hub import hf_hub_download  # plain file download: no dataset loader script runs
-
-        path = Path(hf_hub_download(REPO, HUB_FILE, repo_type="dataset", revision=REVISION))
-        tag = f"hub:{REPO}@{REVISION}"
-    else:
-        path = Path(source).resolve()
-        tag = f"local:{path}"
+    path, tag = data_file(source, SAMPLE, REPO, HUB_FILE, REVISION)
     return _rows(path), tag, sha256_bytes(path.read_bytes())
 
 

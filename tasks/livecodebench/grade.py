@@ -37,7 +37,6 @@ class Cases:
 @dataclass(frozen=True)
 class Graded:
     outcome: str  # one of OUTCOMES
-    detail: str = ""  # first failing test, exception text, ...
 
 
 _settings = Settings()
@@ -49,10 +48,6 @@ def configure(workers=None, timeout_s=6.0, memory_mb=4096, allow_unisolated=Fals
     settings plus the detected isolation), e.g. into metrics.json."""
     global _settings
     _settings = Settings(workers, float(timeout_s), int(memory_mb), bool(allow_unisolated))
-    return record()
-
-
-def record() -> dict:
     iso = sandbox.isolation()
     missing = sandbox.missing_isolation(iso)  # what run_program would refuse: refused here, before any run
     if missing and not _settings.allow_unisolated:
@@ -91,15 +86,22 @@ def stdio_equal(output: str, expected: str) -> bool:
         if a == b:
             continue
         da, db = _decimals(a), _decimals(b)
-        if da is None or db is None or da != db:
+        try:
+            if da is None or db is None or da != db:
+                return False
+        except ArithmeticError:  # a signalling NaN printed by the program cannot be compared: not equal
             return False
     return True
 
 
 def call_equal(output_json: str | None, expected_json: str) -> bool:
     """Upstream's functional comparison `result == json.loads(expected)` (tuples already made lists); the
-    driver sends the result as JSON, or None when JSON cannot carry it (then it never equals)."""
-    return output_json is not None and json.loads(output_json) == json.loads(expected_json)
+    driver sends the result as JSON, or None when JSON cannot carry it (then it never equals). The output
+    comes from the sandbox (the candidate shares the driver's event pipe): anything undecodable is unequal."""
+    try:
+        return output_json is not None and json.loads(output_json) == json.loads(expected_json)
+    except (TypeError, ValueError, RecursionError):
+        return False
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -117,7 +119,6 @@ class _Judge:
     def __init__(self, tests: Cases) -> None:
         self.tests, self.stage, self.next = tests, "start", 0
         self.outcome: str | None = None
-        self.detail = ""
 
     def __call__(self, ev: dict) -> bool:
         kind = ev.get("ev")
@@ -125,26 +126,26 @@ class _Judge:
             self.stage = "compile"
             return True
         if self.stage == "compile" and kind == "compile_error":
-            return self._end("compile_error", ev.get("error", ""))
+            return self._end("compile_error")
         if self.stage == "compile" and kind == "compiled":
             self.stage = "test"
             return self._end("passed") if not self.tests.inputs else True
         if self.stage == "test" and kind == "test" and ev.get("i") == self.next:
             return self._test(ev)
-        return self._end("runtime_error", f"unexpected driver event {str(ev)[:200]}")
+        return self._end("runtime_error")  # an unexpected event: the candidate wrote to the driver's pipe
 
     def _test(self, ev: dict) -> bool:
         i, t, out = self.next, self.tests, ev.get("out")
         if "error" in ev:
-            return self._end("runtime_error", f"test {i}: {ev['error']}")
+            return self._end("runtime_error")
         ok = call_equal(out, t.outputs[i]) if t.fn_name else stdio_equal(str(out), t.outputs[i])
         if not ok:
-            return self._end("wrong_answer", f"test {i}")
+            return self._end("wrong_answer")
         self.next += 1
         return self._end("passed") if self.next == len(t.inputs) else True
 
-    def _end(self, outcome: str, detail: str = "") -> bool:
-        self.outcome, self.detail = outcome, detail
+    def _end(self, outcome: str) -> bool:
+        self.outcome = outcome
         return False
 
 
@@ -164,14 +165,13 @@ def grade(code: str, tests: Cases) -> Graded:
                               cpu_s=s.timeout_s * (len(tests.inputs) + 2), on_event=judge,
                               allow_unisolated=s.allow_unisolated)  # fmt: skip
     if judge.outcome:
-        return Graded(judge.outcome, judge.detail)
+        return Graded(judge.outcome)
     if res.status == "sandbox_error" or judge.stage == "start":  # the candidate never ran: our failure
         raise sandbox.SandboxError(f"driver did not start ({res.status}): {res.error or res.stderr[-2000:]}")
-    where = f"{res.status} during {judge.stage} {judge.next}"
-    return Graded(_UNJUDGED[res.status], f"{where}: {res.stderr[-300:]}")
+    return Graded(_UNJUDGED[res.status])
 
 
 def grade_many(jobs: list[tuple[str, Cases]]) -> list[Graded]:
-    """`grade` over (code, tests) pairs on the configured number of parallel sandboxes, in input order."""
-    record()  # refuse before running anything when isolation is missing
+    """`grade` over (code, tests) pairs on the configured number of parallel sandboxes, in input order.
+    Where isolation is missing, `sandbox.run_program` refuses before anything runs."""
     return sandbox.map_parallel(lambda job: grade(*job), jobs, _settings.workers)

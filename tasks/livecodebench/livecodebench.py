@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 
 from evalkit.sample import Sample, Skipped
-from evalkit.task import Loaded, keep_all, lm_eval_hooks, subsample, unique
+from evalkit.task import Loaded, data_file, keep_all, lm_eval_hooks, subsample, unique
 from tasks.livecodebench.grade import OUTCOMES, Cases, configure, extract_code, grade_many, pass_at_k
 
 TASK = "livecodebench"
@@ -130,12 +130,10 @@ def tests_of(meta: dict) -> Cases:
     return Cases([c["input"] for c in cases], [c["output"] for c in cases], fn_name)
 
 
-def _parse(row, i: int) -> Sample | Skipped:
-    if not isinstance(row, dict):
-        return Skipped(f"row {i}", "row is not a JSON object")
+def _parse(row: dict, i: int, date: datetime, max_new_tokens: int) -> Sample | Skipped:
+    """A row that `_rows` read (a JSON object with a contest date) -> Sample, or Skipped with the reason."""
     qid = str(row.get("question_id") or f"row {i}")
     try:
-        date = datetime.fromisoformat(row["contest_date"])
         if row["difficulty"] not in DIFFICULTIES:
             raise ValueError(f"difficulty {row['difficulty']!r}")
         if not isinstance(row["question_content"], str) or not isinstance(row["starter_code"], str):
@@ -150,27 +148,24 @@ def _parse(row, i: int) -> Sample | Skipped:
         return Skipped(qid, f"{type(e).__name__}: {e}")
     user = prompt(row["question_content"], row["starter_code"])
     subset = f"{row['difficulty']}|{row['platform']}"
-    return Sample(qid, TASK, user, [], 2000, system=SYSTEM, subset=subset, meta=meta)
+    return Sample(qid, TASK, user, [], max_new_tokens, system=SYSTEM, subset=subset, meta=meta)
 
 
 def _files(source: str, release: str) -> tuple[list[Path], str]:
-    if source == "sample":
-        return [SAMPLE], "sample"
+    """The shard files to read: the release's hub shards, a local directory's, or one file read whole."""
     if source == "hub":
-        from huggingface_hub import hf_hub_download  # plain file downloads: no dataset loader script runs
-
-        paths = [hf_hub_download(REPO, f, repo_type="dataset", revision=REVISION) for f in shards(release)]
-        return [Path(p) for p in paths], f"hub:{REPO}@{REVISION}"
-    path = Path(source).resolve()
-    return ([path] if path.is_file() else [path / f for f in shards(release)]), f"local:{path}"
+        got = [data_file(source, SAMPLE, REPO, f, REVISION) for f in shards(release)]
+        return [path for path, _ in got], got[0][1]
+    path, tag = data_file(source, SAMPLE, REPO, "", REVISION)  # the bundled sample or a local path
+    return ([path] if path.is_file() else [path / f for f in shards(release)]), tag
 
 
 def _day(value) -> datetime | None:
     return None if value in (None, "") else datetime.strptime(str(value), "%Y-%m-%d")
 
 
-def _rows(paths, start, end, digest, outside: list):
-    """Parsed rows (Sample or Skipped) of the shard files inside the date window; the others go to `outside`."""
+def _rows(paths, start, end, max_new_tokens: int, digest, counts: dict):
+    """Parsed rows (Sample or Skipped) of the shard files inside the date window; the others are counted."""
     for path in paths:
         with open(path, "rb") as f:  # shards reach 1.25 GB: one row at a time
             for i, line in enumerate(f):
@@ -179,14 +174,14 @@ def _rows(paths, start, end, digest, outside: list):
                     continue
                 try:
                     row = json.loads(line)
-                    date = datetime.fromisoformat(row["contest_date"])
+                    date = datetime.fromisoformat(row["contest_date"])  # a non-object row fails here too
                 except (ValueError, KeyError, TypeError) as e:
                     yield Skipped(f"{path.name}:{i + 1}", f"unreadable row: {type(e).__name__}: {e}")
                     continue
                 if (start and date < start) or (end and date > end):
-                    outside.append(i)
+                    counts["outside_window"] += 1
                     continue
-                yield _parse(row, i)
+                yield _parse(row, i, date, max_new_tokens)
 
 
 def load(source="sample", n=None, seed=0, release="release_v6", start_date=None, end_date=None,
@@ -195,14 +190,12 @@ def load(source="sample", n=None, seed=0, release="release_v6", start_date=None,
     a local directory (the bundled sample and a local file are read whole); the date window applies to all.
     With n, a seeded random subset is kept in that order."""
     paths, tag = _files(source, release)
-    digest, outside = hashlib.sha256(), []
-    rows = _rows(paths, _day(start_date), _day(end_date), digest, outside)
+    digest, counts = hashlib.sha256(), {"outside_window": 0}
+    rows = _rows(paths, _day(start_date), _day(end_date), max_new_tokens, digest, counts)
     samples, skipped = unique(rows, "question_id")
-    for s in samples:
-        s.max_new_tokens = max_new_tokens
     samples = subsample(sorted(samples, key=lambda s: s.id), n, seed)
     stats = {"release": release if source != "sample" else None, "start_date": start_date, "end_date": end_date,
-             "outside_window": len(outside)}  # fmt: skip
+             **counts}  # fmt: skip
     return Loaded(samples, tag, digest.hexdigest(), skipped, stats)
 
 
@@ -224,7 +217,10 @@ def score_many(items: list[tuple[list[str], Sample]]) -> list[dict[str, float]]:
     """`score` for many samples at once: every prediction of every sample shares one pool of sandboxes."""
     if empty := [s.id for preds, s in items if not preds]:
         raise ValueError(f"no predictions to score for {empty[:5]}")
-    jobs = [(extract_code(p), tests_of(s.meta)) for preds, s in items for p in preds]
+    jobs = []
+    for preds, s in items:
+        tests = tests_of(s.meta)  # decoded once per problem (hub tests reach hundreds of MB), shared by its k
+        jobs += [(extract_code(p), tests) for p in preds]
     graded = iter(grade_many(jobs))
     out = []
     for preds, s in items:

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from evalkit.sample import Sample, Skipped
-from evalkit.task import Loaded, keep_all, lm_eval_hooks, sha256_bytes, subsample
+from evalkit.task import Loaded, data_file, keep_all, lm_eval_hooks, sha256_bytes, subsample, unique
 
 VERSION = 1  # bump when the prompt, data handling or scoring changes
 TASK = "longbench_v2"
@@ -30,14 +30,9 @@ MAX_LEN = 120000  # config/model2maxlen.json: every 128k open model
 ANSWER_TOKENS, COT_TOKENS = 128, 1024  # pred.py max_tokens: the answer call, the CoT reasoning call
 TEMPLATE_MARGIN = 64  # tokens the chat template adds around the truncated prompt (evalkit choice)
 
-# Byte-exact copies of the upstream files (none ends with a newline; the apostrophe is U+2019).
-PROMPT_0SHOT = """\
-Please read the following text and answer the question below.
-
-<text>
-$DOC$
-</text>
-
+# The upstream files `0shot.txt`, `0shot_cot.txt`, `0shot_cot_ans.txt`, byte for byte (none ends with a
+# newline; the apostrophe is U+2019; tests pin each one's sha256). They share the question block.
+QUESTION = """\
 What is the correct answer to this question: $Q$
 Choices:
 (A) $C_A$
@@ -45,40 +40,18 @@ Choices:
 (C) $C_C$
 (D) $C_D$
 
-Format your response as follows: "The correct answer is (insert answer here)"."""
-
-PROMPT_COT = """\
-Please read the following text and answer the questions below.
-
-<text>
-$DOC$
-</text>
-
-What is the correct answer to this question: $Q$
-Choices:
-(A) $C_A$
-(B) $C_B$
-(C) $C_C$
-(D) $C_D$
-
-Let\u2019s think step by step:"""
-
-PROMPT_COT_ANS = """\
-Please read the following text and answer the questions below.
-
-The text is too long and omitted here.
-
-What is the correct answer to this question: $Q$
-Choices:
-(A) $C_A$
-(B) $C_B$
-(C) $C_C$
-(D) $C_D$
-
-Let\u2019s think step by step: $COT$
-
-Based on the above, what is the single, most likely answer choice? \
-Format your response as follows: "The correct answer is (insert answer here)"."""
+"""
+ANSWER_FORMAT = 'Format your response as follows: "The correct answer is (insert answer here)".'
+DOCUMENT = "<text>\n$DOC$\n</text>\n\n"
+PROMPT_0SHOT = (
+    f"Please read the following text and answer the question below.\n\n{DOCUMENT}{QUESTION}{ANSWER_FORMAT}"
+)
+PROMPT_COT = f"Please read the following text and answer the questions below.\n\n{DOCUMENT}{QUESTION}Let\u2019s think step by step:"
+PROMPT_COT_ANS = (
+    "Please read the following text and answer the questions below.\n\nThe text is too long and omitted here.\n\n"
+    f"{QUESTION}Let\u2019s think step by step: $COT$\n\n"
+    f"Based on the above, what is the single, most likely answer choice? {ANSWER_FORMAT}"
+)
 
 PROMPTS = {"0shot": PROMPT_0SHOT, "cot": PROMPT_COT}
 
@@ -109,26 +82,26 @@ def extract_answer(response: str) -> str | None:
     return match.group(1) if match else None
 
 
-def _problem(row) -> str | None:
+def _parse(row, i: int) -> Sample | Skipped:
+    """Row i -> a Sample without its prompt yet (`meta["row"]` = i), or Skipped with the reason."""
+    rid = row.get("_id") if isinstance(row, dict) and isinstance(row.get("_id"), str) else f"row {i}"
     if not isinstance(row, dict):
-        return "row is not a JSON object"
+        return Skipped(rid, "row is not a JSON object")
     bad = [f for f in FIELDS if not isinstance(row.get(f), str)]
     if bad:
-        return f"missing or non-string field(s): {', '.join(bad)}"
-    return None if row["answer"] in ("A", "B", "C", "D") else f"answer {row['answer']!r} is not one of A-D"
+        return Skipped(rid, f"missing or non-string field(s): {', '.join(bad)}")
+    if row["answer"] not in ("A", "B", "C", "D"):
+        return Skipped(rid, f"answer {row['answer']!r} is not one of A-D")
+    # result.py buckets: anything not "easy" is hard, anything not short/medium is long.
+    difficulty = "easy" if row["difficulty"] == "easy" else "hard"
+    length = row["length"] if row["length"] in ("short", "medium") else "long"
+    meta = {k: row[k] for k in ("domain", "sub_domain", "difficulty", "length", "question")}
+    meta |= {"choices": [row[f"choice_{c}"] for c in "ABCD"], "row": i}
+    return Sample(rid, TASK, "", [row["answer"]], ANSWER_TOKENS, subset=f"{difficulty}|{length}", meta=meta)
 
 
 def _read(source: str) -> tuple[list, str, str]:
-    if source == "sample":
-        path, tag = SAMPLE, "sample"
-    elif source == "hub":
-        from huggingface_hub import hf_hub_download  # plain file download: no dataset loader script runs
-
-        path = Path(hf_hub_download(REPO, "data.json", repo_type="dataset", revision=REVISION))
-        tag = f"hub:{REPO}@{REVISION}"
-    else:
-        path = Path(source).resolve()
-        tag = f"local:{path}"
+    path, tag = data_file(source, SAMPLE, REPO, "data.json", REVISION)
     raw = path.read_bytes()
     digest = sha256_bytes(raw)
     if source == "hub" and digest != DATA_SHA256:
@@ -142,18 +115,15 @@ def _read(source: str) -> tuple[list, str, str]:
     return rows, tag, digest
 
 
-def _sample(row: dict, mode: str, tokenizer, max_len: int) -> Sample:
-    prompt, truncated = fill(PROMPTS[mode], row), False
+def _prompted(sample: Sample, rows: list, mode: str, tokenizer, max_len: int) -> Sample:
+    """The sample with its row's prompt in `mode`, truncated in the middle when a tokenizer is given."""
+    meta = dict(sample.meta)
+    prompt, truncated = fill(PROMPTS[mode], rows[meta.pop("row")]), False
     if tokenizer is not None:
         prompt, truncated = truncate_middle(prompt, tokenizer, max_len)
-    # result.py buckets: anything not "easy" is hard, anything not short/medium is long.
-    difficulty = "easy" if row["difficulty"] == "easy" else "hard"
-    length = row["length"] if row["length"] in ("short", "medium") else "long"
-    meta = {k: row[k] for k in ("domain", "sub_domain", "difficulty", "length", "question")}
-    meta |= {"choices": [row[f"choice_{c}"] for c in "ABCD"], "mode": mode, "truncated": truncated}
     n_new = COT_TOKENS if mode == "cot" else ANSWER_TOKENS
-    return Sample(
-        row["_id"], TASK, prompt, [row["answer"]], n_new, subset=f"{difficulty}|{length}", meta=meta
+    return replace(
+        sample, prompt=prompt, max_new_tokens=n_new, meta={**meta, "mode": mode, "truncated": truncated}
     )
 
 
@@ -171,18 +141,9 @@ def load(
             max_len, model_context - (COT_TOKENS if mode == "cot" else ANSWER_TOKENS) - TEMPLATE_MARGIN
         )
     rows, tag, digest = _read(source)
-    valid, skipped, seen = [], [], set()
-    for i, row in enumerate(rows):
-        rid = row.get("_id") if isinstance(row, dict) and isinstance(row.get("_id"), str) else f"row {i}"
-        reason = _problem(row) or ("duplicate _id" if rid in seen else None)
-        if reason:
-            skipped.append(Skipped(rid, reason))
-            continue
-        seen.add(rid)
-        valid.append(row)
-    samples = [
-        _sample(row, mode, tokenizer, max_len) for row in subsample(valid, n, seed)
-    ]  # tokenise only what is kept
+    samples, skipped = unique((_parse(row, i) for i, row in enumerate(rows)), "_id")
+    # prompts are filled and tokenised only for the samples kept
+    samples = [_prompted(s, rows, mode, tokenizer, max_len) for s in subsample(samples, n, seed)]
     stats = {"truncated": sum(s.meta["truncated"] for s in samples), "mode": mode}
     stats["max_len"] = max_len if tokenizer is not None else None
     return Loaded(samples, tag, digest, skipped, stats)

@@ -8,7 +8,6 @@ format; a missing file is an error naming the file and where it comes from, neve
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import os
 import re
@@ -16,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache, cached_property
 from pathlib import Path
+
+from evalkit.task import sha256_bytes
 
 # file name inside $EVALKIT_RULER_DATA (upstream's `scripts/data/synthetic/json/` names) and how to get it
 DATA_FILES = {
@@ -58,10 +59,6 @@ def resolve(kind: str, path: str | None, required: bool = True) -> Path | None:
     raise FileNotFoundError(
         f"RULER needs {name} ({where}). It is {how}. Pass {kind}_path=... or put {name} in ${DATA_ENV}."
     )
-
-
-def sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 # --- wonderwords lists (pinned 2.2.0: 6786 nouns, 912 adjectives, 1042 verbs)
@@ -182,7 +179,7 @@ class RulerData:
         for k in kinds:
             if self.paths.get(k):
                 if ("sha256", k) not in self._memo:
-                    self._memo[("sha256", k)] = f"sha256:{sha256_file(self.paths[k])}"
+                    self._memo[("sha256", k)] = f"sha256:{sha256_bytes(Path(self.paths[k]).read_bytes())}"
                 out[DATA_FILES[k][0]] = self._memo[("sha256", k)]
         if "essay" in kinds:
             out["splitter"] = punkt_splitter()[0]

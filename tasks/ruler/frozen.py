@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import asdict
 from pathlib import Path
 
+from evalkit.results import atomic_write
 from evalkit.sample import Sample
 from tasks.ruler.generate import GENERATOR_VERSION
 
-CACHE_ENV = "EVALKIT_CACHE"
-
 
 def cache_root(cache_dir: str | None = None) -> Path:
-    """`<cache_dir or $EVALKIT_CACHE or ~/.cache/evalkit>/ruler`."""
-    return Path(cache_dir or os.environ.get(CACHE_ENV) or "~/.cache/evalkit").expanduser() / "ruler"
+    """`<cache_dir or evalkit's cache ($EVALKIT_CACHE, ~/.cache/evalkit)>/ruler`."""
+    from evalkit.models import cache_dir as evalkit_cache
+
+    return (Path(cache_dir).expanduser() if cache_dir else evalkit_cache()) / "ruler"
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -33,9 +33,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(f"{type(tokenizer).__name__}\0{body}\0{template}".encode()).hexdigest()
 
 
-def frozen_path(root: Path, task: str, length: int, seed: int, tokenizer, files: dict[str, str]) -> Path:
+def frozen_path(
+    root: Path, task: str, length: int, seed: int, tokenizer, fingerprint: str, files: dict[str, str]
+) -> Path:
+    """`fingerprint` is `tokenizer_fingerprint(tokenizer)`, computed once per load (it hashes the whole vocabulary)."""
     name = re.sub(r"[^\w.-]+", "_", str(getattr(tokenizer, "name_or_path", "") or "tokenizer"))[-40:]
-    key = {"tokenizer": tokenizer_fingerprint(tokenizer), "files": files, "version": GENERATOR_VERSION}
+    key = {"tokenizer": fingerprint, "files": files, "version": GENERATOR_VERSION}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return root / f"{task}-{length}-seed{seed}-{GENERATOR_VERSION}-{name}-{digest}.jsonl"
 
@@ -49,7 +52,4 @@ def read(path: Path, n: int) -> list[Sample] | None:
 
 
 def write(path: Path, samples: list[Sample]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")  # rename is atomic: a reader never sees half a file
-    tmp.write_text("".join(json.dumps(asdict(s), ensure_ascii=False) + "\n" for s in samples))
-    tmp.replace(path)
+    atomic_write(path, "".join(json.dumps(asdict(s), ensure_ascii=False) + "\n" for s in samples))

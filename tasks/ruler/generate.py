@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from evalkit.sample import Sample
+from evalkit.sample import Sample, render
 from tasks.ruler.constants import (
     CWE_PREFIX,
     CWE_TEMPLATE,
@@ -44,20 +44,10 @@ Draw = tuple[str, str, list[str]]  # (user prompt, answer prefix, references)
 DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))]  # niah essay depths, in %
 
 
-def render_prompt(tokenizer, prompt: str) -> str:
-    """The text the model is fed before the answer prefix: the chat template around one user turn.
-
-    A tokenizer without a chat template (a base model) sees the bare prompt, as upstream's `base` template.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        return prompt
-    messages = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
 def count_tokens(tokenizer, prompt: str, answer_prefix: str = "") -> int:
-    """Prompt tokens as the model sees them (rendered user turn + answer prefix, no extra special tokens)."""
-    return len(tokenizer.encode(render_prompt(tokenizer, prompt) + answer_prefix, add_special_tokens=False))
+    """Prompt tokens as the model sees them (`evalkit.sample.render`: the rendered user turn + answer prefix,
+    no extra special tokens); the evalkit model renders RULER samples with the same function."""
+    return len(tokenizer.encode(render(tokenizer, prompt, answer_prefix), add_special_tokens=False))
 
 
 @dataclass
