@@ -28,12 +28,18 @@ from transformers import GenerationConfig
 
 from evalkit.kv import Full, KVCache
 from evalkit.sample import Sample, render
+from evalkit.scoring import request_key
 
 DOC_FIELDS = {"id", "task", "prompt", "answers", "max_new_tokens"}
 
 
 def prompt_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def sample_prompt(tokenizer, sample: Sample) -> str:
+    """The exact text the model is given for an evalkit sample (journaled by its hash, checked on re-scoring)."""
+    return render(tokenizer, sample.prompt, sample.answer_prefix, sample.system)
 
 
 def generation_config(gen: dict, max_new_tokens: int, eos: list[int], pad: int) -> GenerationConfig:
@@ -129,8 +135,8 @@ class EvalkitLM(HFLM):
         todo: list[tuple[int, Prompt]] = []
         repeat = Counter()
         for i, req in enumerate(requests):
-            base = f"{req.task_name}/{req.doc_id}/{req.idx}"
-            prompt = self._prompt(req, f"{base}/{repeat[base]}")  # lm-eval repeats a request k times
+            base = (req.task_name, req.doc_id, req.idx)
+            prompt = self._prompt(req, request_key(*base, repeat[base]))  # lm-eval repeats a request k times
             repeat[base] += 1
             done = self._journaled(self.journal, prompt)
             if done is not None and all(self._journaled(j, prompt) is not None for _, j in self.also):
@@ -185,7 +191,7 @@ class EvalkitLM(HFLM):
         sample = Sample.from_doc(doc)
         return Prompt(
             key,
-            render(self.tokenizer, sample.prompt, sample.answer_prefix, sample.system),
+            sample_prompt(self.tokenizer, sample),
             min(sample.max_new_tokens, limit),
             gen,
             sample,
@@ -223,7 +229,7 @@ class EvalkitLM(HFLM):
             second.append(
                 Prompt(
                     p.key,
-                    render(self.tokenizer, s.prompt, s.answer_prefix, s.system),
+                    sample_prompt(self.tokenizer, s),
                     self._cap(s.max_new_tokens),
                     p.gen,
                     s,

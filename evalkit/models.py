@@ -8,7 +8,9 @@ cache (`$EVALKIT_CACHE`, default `~/.cache/evalkit`), which reloads in about a s
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from evalkit.kv import attach
@@ -59,6 +62,11 @@ def load_model(spec: ModelSpec):
 
 def resolve_source(spec: ModelSpec) -> str:
     """Folder or hub id to load weights (and tokenizer) from."""
+    if spec.gguf is not None and spec.path:
+        raise ModelLoadError(
+            f"model {spec.name}: both gguf (packaged weights) and path={spec.path!r} are set; to load the folder "
+            "set model.gguf=null too"
+        )
     if spec.gguf is not None:
         return str(embedded_folder(spec))
     if spec.random is not None:
@@ -192,3 +200,57 @@ def context_length(spec: ModelSpec, config) -> int:
     if spec.max_length:
         return spec.max_length
     return int(getattr(config.get_text_config(), "max_position_embeddings", 0) or 8192)
+
+
+def fingerprint(spec: ModelSpec) -> dict:
+    """What identifies the weights and tokenizer a run used, so runs months apart are known to match: the
+    resolved hub commit of each (whatever `revision` said, a branch name included), a local folder's file
+    hashes and sizes, the embedded GGUF's sha256, or a random model's config and seed."""
+    if spec.random is not None:
+        config = json.dumps(OmegaConf.to_container(OmegaConf.create(dict(spec.random))), sort_keys=True)
+        return {"random_config_sha256": _sha256_text(config), "seed": spec.seed}
+    if spec.gguf is not None:
+        found = importlib.util.find_spec(spec.gguf["package"])
+        gguf = Path(found.submodule_search_locations[0]) / spec.gguf["file"]
+        return {"gguf_sha256": _sha256_file(gguf)}
+    if spec.path:
+        folder = Path(spec.path)
+        small = {p.name: _sha256_file(p) for p in sorted(folder.glob("*.json"))}
+        weights = {p.name: p.stat().st_size for p in sorted(folder.glob("*.safetensors"))}
+        return {"local_json_sha256": small, "weight_file_bytes": weights}
+    return {
+        "weights": _hub_commit(spec, "config.json"),
+        "tokenizer": _hub_commit(spec, "tokenizer_config.json"),
+    }
+
+
+def _hub_commit(spec: ModelSpec, filename: str) -> str | None:
+    """The commit a hub file resolved to (from the local hub cache path .../snapshots/<commit>/file)."""
+    from transformers.utils.hub import cached_file, extract_commit_hash
+
+    try:
+        path = cached_file(
+            spec.id, filename, revision=spec.revision, _raise_exceptions_for_missing_entries=False
+        )
+    except OSError:
+        return None
+    return extract_commit_hash(path, None) if path else None
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _sha256_file(path: Path) -> str:
+    """sha256 of a file, memoised by (path, size, mtime) under the evalkit cache: GGUF files are ~100 MB."""
+    st = path.stat()
+    memo = cache_dir() / "sha256" / _sha256_text(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}")
+    if memo.exists():
+        return memo.read_text().strip()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(digest.hexdigest())
+    return digest.hexdigest()

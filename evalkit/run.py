@@ -1,8 +1,13 @@
 """The entry point: `python -m evalkit [overrides]` evaluates one (model, task, method, budget) with lm-eval.
 
-Reads top to bottom: validate the config (no model yet), skip if this run is already done, load data and
-model, generate through lm-eval with the evalkit model (journaled: a killed run resumes), score, aggregate,
-write `samples.jsonl` and `metrics.json`, print a table.
+Reads top to bottom: validate the config (no data, no model), check what each run folder already holds, load
+the data, then
+- generate: lm-eval drives the task's requests through the evalkit model; every finished generation is journaled
+  (`generations.jsonl`), so a killed run resumes where it stopped;
+- score: every sample is scored from the journal by the task's own scorer, and `samples.jsonl` + `metrics.json`
+  are written.
+A finished run is skipped; a finished run whose scorer version or grading settings (`task.setup`) changed is
+re-scored from its journal without loading the model; one whose data changed is refused, never skipped.
 """
 
 from __future__ import annotations
@@ -10,22 +15,42 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import re
 import sys
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_class
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from evalkit.config import CONF_DIR, ConfigError, check_choice, group_config, make_method, model_spec
+from evalkit.config import (
+    CONF_DIR,
+    ConfigError,
+    check_choice,
+    group_config,
+    make_method,
+    method_class,
+    model_spec,
+)
 from evalkit.models import ModelLoadError
-from evalkit.results import Journal, atomic_write, config_yaml, run_dir, write_json
-from evalkit.summary import print_table, summarize
+from evalkit.results import (
+    Journal,
+    RunInUse,
+    RunLock,
+    atomic_write,
+    config_yaml,
+    generation_yaml,
+    run_dir,
+    write_json,
+)
+from evalkit.scoring import JournalError
+from evalkit.summary import print_table, scoring_identity, summarize
 
 TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
 _MODELS: dict[str, tuple] = {}  # one load per process across the jobs of a sweep
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # run-folder components: no separators, no "..", no "-x"
 log = logging.getLogger("evalkit")
 
 
@@ -33,145 +58,64 @@ class DataError(RuntimeError):
     """The task's data could not be loaded (missing file, bad source); the message says which and how to fix."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Plan:
     cfg: DictConfig
     method: object
     spec: object
     task_module: object
     out: Path
+    state: str = "new"  # new (no metrics yet), rescore (metrics from another scorer), done (skipped)
+    journal: Journal | None = field(default=None, repr=False)
 
 
+# --- configuration: everything that can fail before data or a model is loaded ------------------------------
 def plan(cfg: DictConfig) -> Plan:
-    """Everything that can fail on a bad config, before any model or data is loaded."""
     choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
     for group in ("model", "task", "method"):
         if group in choices:
             check_choice(group, choices[group])
+    for key in ("task.name", "model.name", "task.lm_eval_task"):
+        value = OmegaConf.select(cfg, key)
+        if not isinstance(value, str) or not NAME.fullmatch(value):
+            raise ConfigError(
+                f"{key} must be a plain name (letters, digits, '_', '.', '-', '+'), got {value!r}"
+            )
     method_name = choices.get("method") or cfg.method._target_.rsplit(".", 1)[-1].lower()
     if (
-        not getattr(get_class(cfg.method._target_), "budget_applies", True)
+        not getattr(method_class(cfg.method._target_), "budget_applies", True)
         and cfg.method.get("budget") is not None
     ):
         # a sweep lists `full` beside compressed methods: its budgets all name the one uncompressed run
         log.info("%s keeps every entry: budget=%s does not apply", method_name, cfg.method.budget)
         cfg = OmegaConf.merge(cfg, {"method": {"budget": None}})
     method = make_method(cfg.method)
-    for key, value, ok, rule in (
-        ("batch_size", cfg.get("batch_size"), lambda v: isinstance(v, int) and v >= 1, "a positive integer"),
-        ("limit", cfg.get("limit"), lambda v: v is None or isinstance(v, int) and v >= 1, "null or a positive integer"),
-        ("seed", cfg.get("seed"), lambda v: isinstance(v, int), "an integer"),
-        ("task.repeats", cfg.task.get("repeats"), lambda v: isinstance(v, int) and v >= 1, "a positive integer"),
-    ):  # fmt: skip
-        if not ok(value):
-            raise ConfigError(f"{key} must be {rule}, got {value!r}")
+    check_run_settings(cfg)
     out = run_dir(cfg, method_name, group_config("method", method_name))
     try:
         task_module = importlib.import_module(cfg.task.module)
     except ImportError as e:
         raise ConfigError(f"task {cfg.task.name}: cannot import {cfg.task.module} ({e})") from None
-    if not isinstance(getattr(task_module, "VERSION", None), int):
-        raise ConfigError(
-            f"task module {cfg.task.module} must define VERSION (an int, bumped when prompts change)"
-        )
+    for attr, what in (("VERSION", "bumped when prompts or data change"), ("SCORER_VERSION", "bumped when scoring changes")):  # fmt: skip
+        if not _int(getattr(task_module, attr, None)):
+            raise ConfigError(f"task module {cfg.task.module} must define {attr} (an int, {what})")
     return Plan(cfg, method, model_spec(cfg.model), task_module, out)
 
 
-def check_resume(p: Plan) -> bool:
-    """True if this run finished already. A folder holding another config is refused, never mixed."""
-    saved = p.out / "config.yaml"
-    want = config_yaml(p.cfg)
-    if saved.exists() and _without_results_dir(saved.read_text()) != _without_results_dir(want):
-        raise ConfigError(
-            f"{p.out} holds a run with a different config (see its config.yaml). "
-            "Use another results_dir, or delete that folder to redo it."
-        )
-    return (p.out / "metrics.json").exists()
+def check_run_settings(cfg: DictConfig) -> None:
+    for key, value, ok, rule in (
+        ("batch_size", cfg.get("batch_size"), lambda v: _int(v) and v >= 1, "a positive integer"),
+        ("limit", cfg.get("limit"), lambda v: v is None or _int(v) and v >= 1, "null or a positive integer"),
+        ("seed", cfg.get("seed"), _int, "an integer"),
+        ("task.repeats", cfg.task.get("repeats"), lambda v: _int(v) and v >= 1, "a positive integer"),
+        ("task.load.n", cfg.task.load.get("n"), lambda v: v is None or _int(v) and v >= 1, "null (all) or a positive integer"),
+    ):  # fmt: skip
+        if not ok(value):
+            raise ConfigError(f"{key} must be {rule}, got {value!r}")
 
 
-def _without_results_dir(config_text: str) -> str:
-    """Where the results live is not part of what was run: a moved results folder still resumes."""
-    return "\n".join(line for line in config_text.splitlines() if not line.startswith("results_dir:"))
-
-
-def get_model(spec):
-    from evalkit.models import load_model
-
-    key = repr(spec)
-    if key not in _MODELS:
-        _MODELS.clear()  # one model resident at a time
-        _MODELS[key] = load_model(spec)
-    return _MODELS[key]
-
-
-def load_data(p: Plan, tokenizer_source: str, context: int):
-    from evalkit.task import load_task
-
-    kwargs = {**OmegaConf.to_container(p.cfg.task.load, resolve=True), "tokenizer": tokenizer_source}
-    kwargs["model_context"] = context
-    try:
-        return load_task(p.cfg.task.name, p.task_module.load, **kwargs), kwargs
-    except (LookupError, ValueError, OSError, RuntimeError) as e:  # bad data or data options
-        raise DataError(f"task {p.cfg.task.name}: {e}") from None
-
-
-def evaluate(plans: list[Plan]) -> list[tuple[dict, list[dict]]]:
-    """Evaluate one or more budgets of one method; every budget after the first replays the first's prefills."""
-    from evalkit.lm import EvalkitLM
-    from evalkit.models import context_length, model_config, resolve_source, tokenizer_path
-
-    p = plans[0]
-    source = tokenizer_path(p.spec)
-    context = context_length(p.spec, model_config(p.spec, resolve_source(p.spec)))
-    loaded, load_kwargs = load_data(p, source, context)  # data problems surface before the model loads
-    setup = configure_task(p)
-    model, tokenizer = get_model(p.spec)
-    for q in plans:  # written once data and model are ready: a failed start leaves no folder behind
-        atomic_write(q.out / "config.yaml", config_yaml(q.cfg))
-    journals = [Journal(q.out / "generations.jsonl") for q in plans]
-    common = dict(model=p.spec, hf_model=model, tokenizer=tokenizer, batch_size=p.cfg.batch_size,
-                  max_length=context, seed=p.cfg.seed)  # fmt: skip
-    also = [(q.method, j) for q, j in zip(plans[1:], journals[1:])]
-    results = []
-    for i, (q, journal) in enumerate(zip(plans, journals)):
-        # the first pass generates every budget (one prefill each prompt); later passes only score their journals
-        lm = EvalkitLM(method=q.method, journal=journal, also=also if i == 0 else (), **common)
-        logged = lm_eval_samples(q, lm, load_kwargs)
-        metrics, samples = summarize(q, loaded, logged, journal, model)
-        if setup is not None:
-            metrics["task_setup"] = setup
-        results.append((metrics, samples))
-    for journal in journals:
-        journal.close()
-    return results
-
-
-def lm_eval_samples(p: Plan, lm, load_kwargs: dict) -> list[dict]:
-    """Run the task's lm-eval YAML with evalkit's model; lm-eval's logged per-sample results."""
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager, get_task_dict
-
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=load_kwargs)
-    tasks = get_task_dict([p.cfg.task.lm_eval_task], manager)
-    for task in tasks.values():
-        task.config.repeats = int(p.cfg.task.repeats)
-    result = simple_evaluate(
-        model=lm, tasks=list(tasks.values()), limit=p.cfg.limit, log_samples=True, bootstrap_iters=0,
-        gen_kwargs=OmegaConf.to_container(p.cfg.task.generation) or None, task_manager=manager,
-    )  # fmt: skip
-    return result["samples"][p.cfg.task.lm_eval_task]
-
-
-def configure_task(p: Plan) -> dict | None:
-    """A task module's optional `configure(**task.setup)` (e.g. the code sandbox), run before generating;
-    what it returns (settings, detected isolation) is recorded in metrics.json."""
-    configure = getattr(p.task_module, "configure", None)
-    if configure is None:
-        return None
-    try:
-        return configure(**OmegaConf.to_container(p.cfg.task.get("setup") or {}, resolve=True))
-    except (ValueError, RuntimeError, OSError) as e:
-        raise ConfigError(f"task {p.cfg.task.name} setup: {e}") from None
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def plans_for(cfg: DictConfig) -> list[Plan]:
@@ -188,16 +132,204 @@ def plans_for(cfg: DictConfig) -> list[Plan]:
     return list(out.values())
 
 
+def check_folder(p: Plan) -> None:
+    """A folder holding a run of another configuration is refused, never mixed. Settings that only grade or
+    score (`task.setup`, the headline) may change: the run is then re-scored from its journal."""
+    saved = p.out / "config.yaml"
+    if saved.exists() and generation_yaml(OmegaConf.create(saved.read_text())) != generation_yaml(p.cfg):
+        raise ConfigError(
+            f"{p.out} holds a run with a different config (see its config.yaml). "
+            "Use another results_dir, or delete that folder to redo it."
+        )
+
+
+def check_writable(folder: Path) -> None:
+    """Fail now, not after the model and data loaded, when results cannot be written; leaves nothing behind."""
+    made, path = [], Path(folder).absolute()
+    try:
+        for parent in reversed([path, *path.parents]):
+            if not parent.exists():
+                parent.mkdir()
+                made.append(parent)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ConfigError(f"results_dir: cannot write into {path} ({e.strerror or e})") from None
+    finally:
+        for d in reversed(made):
+            d.rmdir()
+
+
+# --- data and what each folder holds ---------------------------------------------------------------------
+def load_data(p: Plan, tokenizer_source: str, context: int):
+    from evalkit.task import load_task
+
+    kwargs = {**OmegaConf.to_container(p.cfg.task.load, resolve=True), "tokenizer": tokenizer_source}
+    kwargs["model_context"] = context
+    try:
+        loaded = load_task(p.cfg.task.name, p.task_module.load, **kwargs)
+    except (LookupError, ValueError, OSError, RuntimeError) as e:  # bad data or data options
+        raise DataError(f"task {p.cfg.task.name}: {e}") from None
+    if not loaded.samples:
+        why = "; ".join(f"{s.id}: {s.reason}" for s in loaded.skipped[:10]) or "the source holds no rows"
+        more = f" (and {len(loaded.skipped) - 10} more)" if len(loaded.skipped) > 10 else ""
+        raise DataError(f"task {p.cfg.task.name}: no usable samples in {loaded.source}: {why}{more}")
+    return loaded, kwargs
+
+
+def evaluated(p: Plan, loaded) -> list:
+    """The samples a run covers, in lm-eval's doc order (doc_id = index; `limit` takes the first N)."""
+    return loaded.samples[: p.cfg.limit] if p.cfg.limit else loaded.samples
+
+
+def classify(p: Plan, loaded) -> str:
+    """done (skip), rescore (metrics from another scorer or grading settings) or new (no metrics yet). Changed
+    data under a finished run is an error, never a skip."""
+    path = p.out / "metrics.json"
+    if not path.exists():
+        return "new"
+    try:
+        old = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        old = None
+    if not isinstance(old, dict):
+        return "rescore"  # a damaged metrics.json is rebuilt from the journal
+    recorded = (old.get("data") or {}).get("hash")
+    if recorded is not None and recorded != loaded.data_hash:
+        raise DataError(
+            f"{p.out} was scored on data {recorded[:12]}..., but {loaded.source} now hashes to "
+            f"{loaded.data_hash[:12]}...: its generations answer other prompts. Restore the data, or delete the "
+            "folder to run again."
+        )
+    return "done" if (old.get("identity") or {}).get("scoring") == scoring_identity(p) else "rescore"
+
+
+def open_journal(p: Plan) -> Journal:
+    journal = Journal(p.out / "generations.jsonl")
+    for number, reason in journal.rejected:
+        print(f"evalkit: {journal.path} line {number} set aside ({reason}) into {journal.path.name}.rejected; "
+              "that request runs again", file=sys.stderr)  # fmt: skip
+    return journal
+
+
+def missing(p: Plan, loaded) -> int:
+    """Requests of this run not in its journal yet (0: scoring needs no model)."""
+    from evalkit.scoring import request_keys
+
+    keys = request_keys(p.cfg.task.lm_eval_task, len(evaluated(p, loaded)), int(p.cfg.task.repeats))
+    return sum(k not in p.journal.records for k in keys)
+
+
+# --- generation ------------------------------------------------------------------------------------------
+def get_model(spec):
+    from evalkit.models import load_model
+
+    key = repr(spec)
+    if key not in _MODELS:
+        _MODELS.clear()  # one model resident at a time
+        _MODELS[key] = load_model(spec)
+    return _MODELS[key]
+
+
+def generate(plans: list[Plan], load_kwargs: dict, context: int) -> None:
+    """Fill the journals: lm-eval builds the requests, the evalkit model generates what is not journaled yet.
+    Every budget after the first replays the first's prefills."""
+    from evalkit.lm import EvalkitLM
+
+    p = plans[0]
+    model, tokenizer = get_model(p.spec)
+    for q in plans:
+        atomic_write(q.out / "config.yaml", config_yaml(q.cfg))
+    also = [(q.method, q.journal) for q in plans[1:]]
+    lm = EvalkitLM(model=p.spec, hf_model=model, tokenizer=tokenizer, batch_size=p.cfg.batch_size,
+                   max_length=context, seed=p.cfg.seed, method=p.method, journal=p.journal, also=also)  # fmt: skip
+    lm_eval_generate(p, lm, load_kwargs)
+
+
+def lm_eval_generate(p: Plan, lm, load_kwargs: dict) -> None:
+    """Run the task's lm-eval YAML with the evalkit model in lm-eval's predict-only mode: lm-eval builds and
+    issues the requests (templates, generation settings, repeats); scoring happens afterwards, from the journal."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=load_kwargs)
+    tasks = get_task_dict([p.cfg.task.lm_eval_task], manager)
+    for task in tasks.values():
+        task.config.repeats = int(p.cfg.task.repeats)
+    simple_evaluate(
+        model=lm, tasks=list(tasks.values()), limit=p.cfg.limit, predict_only=True, bootstrap_iters=0,
+        gen_kwargs=OmegaConf.to_container(p.cfg.task.generation) or None, task_manager=manager,
+    )  # fmt: skip
+
+
+def configure_task(p: Plan) -> dict | None:
+    """A task module's optional `configure(**task.setup)` (e.g. the code sandbox), run before generating;
+    what it returns (settings, detected isolation) is recorded in metrics.json."""
+    configure = getattr(p.task_module, "configure", None)
+    if configure is None:
+        return None
+    try:
+        return configure(**OmegaConf.to_container(p.cfg.task.get("setup") or {}, resolve=True))
+    except (ValueError, TypeError, RuntimeError, OSError) as e:
+        raise ConfigError(f"task {p.cfg.task.name} setup: {e}") from None
+
+
+# --- scoring ---------------------------------------------------------------------------------------------
+def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
+    """Score every sample from the journal with the task's scorer; write samples.jsonl and metrics.json."""
+    from evalkit.models import model_config, resolve_source
+    from evalkit.scoring import request_keys, score_journal
+
+    samples, task, k = evaluated(p, loaded), p.cfg.task.lm_eval_task, int(p.cfg.task.repeats)
+    rows = score_journal(p.task_module, samples, p.journal, task, k, tokenizer)
+    reused = sum(key in p.journal.loaded_keys for key in request_keys(task, len(samples), k))
+    counts = {"from_journal": reused, "generated_now": len(samples) * k - reused}  # resumed, or a re-score
+    metrics = summarize(p, loaded, rows, model_config(p.spec, resolve_source(p.spec)), context, counts)
+    if setup is not None:
+        metrics["task_setup"] = setup
+    atomic_write(p.out / "config.yaml", config_yaml(p.cfg))  # the grading settings now in force
+    atomic_write(p.out / "samples.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    write_json(p.out / "metrics.json", metrics)
+
+
+# --- the recipe ------------------------------------------------------------------------------------------
 def run(cfg: DictConfig) -> list[dict]:
+    from evalkit.models import context_length, model_config, resolve_source, tokenizer_path
+    from evalkit.task import get_tokenizer
+
     plans = plans_for(cfg)
-    todo = [p for p in plans if not check_resume(p)]
-    if todo:
-        for p, (metrics, samples) in zip(todo, evaluate(todo)):
-            atomic_write(p.out / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
-            write_json(p.out / "metrics.json", metrics)
+    for p in plans:
+        check_folder(p)
+        check_writable(p.out)
+    spec = plans[0].spec
+    context = context_length(spec, model_config(spec, resolve_source(spec)))
+    loaded, load_kwargs = load_data(plans[0], tokenizer_path(spec), context)  # before any model loads
+    setup = configure_task(plans[0])
+    locks = [RunLock(p.out) for p in plans]
+    try:
+        for lock in locks:
+            lock.acquire()
+        for p in plans:
+            p.state = classify(p, loaded)
+            if p.state != "done":
+                p.journal = open_journal(p)
+        todo = [p for p in plans if p.state != "done" and missing(p, loaded)]
+        if todo:
+            generate(todo, load_kwargs, context)
+        for p in plans:
+            if p.state == "rescore":
+                print(f"evalkit: {p.out}: scorer or grading settings changed; re-scoring from its journal")
+            if p.state != "done":
+                score(p, loaded, setup, context, get_tokenizer(tokenizer_path(spec)))
+    finally:
+        for p in plans:
+            if p.journal is not None:
+                p.journal.close()
+        for lock in locks:
+            lock.release()
     all_metrics = []
     for p in plans:
-        if p not in todo:
+        if p.state == "done":
             print(f"evalkit: {p.out} is complete; skipping (delete it to rerun)")
         all_metrics.append(json.loads((p.out / "metrics.json").read_text()))
         print_table(all_metrics[-1])
@@ -210,7 +342,7 @@ def main(cfg: DictConfig) -> None:
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     try:
         run(cfg)
-    except (ConfigError, ModelLoadError, DataError) as e:
+    except (ConfigError, ModelLoadError, DataError, RunInUse, JournalError) as e:
         print(f"evalkit: error: {e}", file=sys.stderr)
         sys.exit(2)
 

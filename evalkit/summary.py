@@ -7,30 +7,15 @@ import statistics
 
 from omegaconf import OmegaConf
 
-from evalkit.results import git_sha, versions
+from evalkit.results import generation_settings, git_sha, short_hash, versions
 from evalkit.sample import aggregate
 
 
-def sample_rows(logged: list[dict], journal) -> list[dict]:
-    """One row per evaluated sample: id, prompt hash, predictions, per-sample scores, generation stats."""
-    by_doc: dict[int, list[dict]] = {}
-    for rec in journal.records.values():
-        by_doc.setdefault(rec["doc_id"], []).append(rec)
-    rows = []
-    for s in sorted(logged, key=lambda s: s["doc_id"]):
-        gens = sorted(by_doc.get(s["doc_id"], []), key=lambda r: r["repeat"])
-        rows.append(
-            {
-                "id": s["doc"]["id"],
-                "doc_id": s["doc_id"],
-                "subset": s["doc"].get("subset", ""),
-                "prompt_hash": gens[0]["prompt_hash"] if gens else None,
-                "predictions": [g["text"] for g in gens],
-                "scores": {k: s[k] for k in s["metrics"]},
-                "generation": [g["stats"] for g in gens],
-            }
-        )
-    return rows
+def resolved_revision(spec) -> dict:
+    """What pins the exact weights and tokenizer used (see evalkit.models.fingerprint)."""
+    from evalkit.models import fingerprint
+
+    return fingerprint(spec)
 
 
 def model_source(spec) -> str:
@@ -84,30 +69,60 @@ def generation_summary(gens: list[dict]) -> dict:
     }
 
 
-def summarize(plan, loaded, logged: list[dict], journal, model) -> tuple[dict, list[dict]]:
+def scoring_identity(plan) -> str:
+    """What a finished run's metrics depend on beyond its generations: the scorer's version, the grading
+    settings (`task.setup`) and the headline metric. A change re-scores the run from its journal."""
+    cfg = OmegaConf.to_container(plan.cfg.task, resolve=True)
+    return short_hash(
+        {
+            "scorer_version": plan.task_module.SCORER_VERSION,
+            "setup": cfg.get("setup"),
+            "headline": cfg.get("headline"),
+        }
+    )
+
+
+def identity(plan, loaded) -> dict:
+    """Hashes that tell configurations apart: two runs share a leaderboard cell or are paired only when the
+    identities that matter are equal. `generation` covers everything but the method (model, task and its
+    version, data, generation settings, repeats, limit, seed, batch size)."""
+    settings = generation_settings(plan.cfg)
+    method = settings.pop("method")
+    settings.update(task_version=plan.task_module.VERSION, data_hash=loaded.data_hash)
+    return {
+        "generation": short_hash(settings),
+        "method": short_hash(method),
+        "scoring": scoring_identity(plan),
+    }
+
+
+def summarize(plan, loaded, rows: list[dict], model_config, context: int, journal_counts: dict) -> dict:
     cfg, method = plan.cfg, plan.method
-    rows = sample_rows(logged, journal)
     gens = [g for r in rows for g in r["generation"]]
-    metrics = {
-        "schema": 1,
+    return {
+        "schema": 2,
         "task": cfg.task.name,
         "task_version": plan.task_module.VERSION,
+        "scorer_version": plan.task_module.SCORER_VERSION,
+        "identity": identity(plan, loaded),
         "headline": cfg.task.headline,
         "model": {
             "name": cfg.model.name,
             "source": model_source(plan.spec),
-            "dtype": str(model.dtype).removeprefix("torch."),
-            "hf_config": model.config.to_dict(),
+            "revision": resolved_revision(plan.spec),
+            "dtype": plan.spec.dtype,
+            "context": context,
+            "hf_config": model_config.to_dict(),
         },
-        "method": {**method.describe(), "conf": plan.out.parent.name},
+        "method": {**method.describe(), "conf": plan.out.parent.name, "tag": plan.out.name},
         "budget": getattr(method, "budget", None),
         "n": len(rows),
         "n_skipped": len(loaded.skipped),
         "skipped": [{"id": s.id, "reason": s.reason} for s in loaded.skipped],
         "data": {"source": loaded.source, "hash": loaded.data_hash, "stats": loaded.stats},
         "scores": aggregate([r["scores"] for r in rows]),
-        "kv": kv_summary(gens, model.config.get_text_config()),
-        "generation": generation_summary(gens),
+        "kv": kv_summary(gens, model_config.get_text_config()),
+        "generation": {**generation_summary(gens), **journal_counts},
         "batch_size": cfg.batch_size,
         "provenance": {
             "git_sha": git_sha(),
@@ -116,7 +131,6 @@ def summarize(plan, loaded, logged: list[dict], journal, model) -> tuple[dict, l
             "config": OmegaConf.to_container(cfg, resolve=True),
         },
     }
-    return metrics, rows
 
 
 def print_table(m: dict) -> None:

@@ -1,45 +1,110 @@
 """The resume journal survives torn writes; run folders are a pure function of the config."""
 
 import json
+import os
+import stat
 
+import pytest
 from omegaconf import OmegaConf
 
-from evalkit.results import Journal, budget_tag
+from evalkit.results import Journal, RunInUse, RunLock, atomic_write, budget_tag, save_figure
 from evalkit.task import subsample
+
+
+def rec(key: str, text: str = "out", **extra) -> dict:
+    """A journal record as evalkit.lm writes it."""
+    return {"key": key, "doc_id": 0, "repeat": 0, "text": text, "prompt_hash": "0" * 16, "stats": {}, **extra}
 
 
 def test_journal_keeps_complete_records_and_drops_a_torn_line(tmp_path):
     path = tmp_path / "generations.jsonl"
     j = Journal(path)
-    j.append({"key": "a", "text": "1"})
-    j.append({"key": "b", "text": "2"})
+    j.append(rec("a", "1"))
+    j.append(rec("b", "2"))
     j.close()
     with open(path, "a") as f:  # a kill mid-write: half a record, no newline
         f.write('{"key": "c", "te')
     j = Journal(path)
-    assert set(j.records) == {"a", "b"}
-    j.append({"key": "c", "text": "3"})
+    assert set(j.records) == {"a", "b"} and j.rejected == []  # a torn last line is normal, not a rejection
+    assert j.loaded_keys == {"a", "b"}
+    j.append(rec("c", "3"))
     j.close()
     assert set(Journal(path).records) == {"a", "b", "c"}
 
 
 def test_journal_record_without_final_newline_is_not_glued_to_the_next(tmp_path):
     path = tmp_path / "generations.jsonl"
-    path.write_text(json.dumps({"key": "a"}) + "\n" + json.dumps({"key": "b"}))  # complete, but no newline
+    path.write_text(json.dumps(rec("a")) + "\n" + json.dumps(rec("b")))  # complete, but no newline
     j = Journal(path)
-    j.append({"key": "c"})
+    j.append(rec("c"))
     j.close()
     assert set(Journal(path).records) == {"a", "b", "c"}
 
 
-def test_journal_ignores_duplicates_and_foreign_lines(tmp_path):
+def test_journal_sets_aside_invalid_lines_by_number_and_keeps_first_of_a_key(tmp_path):
     path = tmp_path / "generations.jsonl"
-    path.write_text('{"key": "a", "text": "first"}\n[1, 2]\n{"nokey": 1}\n{"key": "a", "text": "second"}\n')
+    lines = [
+        json.dumps(rec("a", "first")),
+        "[1, 2]",  # not an object
+        json.dumps({"key": "x", "text": "no doc_id"}),  # the crash of issue 15.5: a key and nothing else
+        "{not json",  # corrupt in the middle of the file (not a torn last line)
+        json.dumps(rec("b", doc_id="3")),  # a field of the wrong type
+        json.dumps(rec("a", "second")),  # a duplicate key: the first one stands
+        json.dumps(rec("c")),
+    ]
+    path.write_text("\n".join(lines) + "\n")
     j = Journal(path)
-    assert j.records == {"a": {"key": "a", "text": "first"}}
-    j.append({"key": "a", "text": "third"})  # already done: not written twice
+    assert set(j.records) == {"a", "c"} and j.records["a"]["text"] == "first"
+    assert [n for n, _ in j.rejected] == [2, 3, 4, 5]
+    assert "missing 'doc_id'" in j.rejected[1][1] and "'doc_id' is str" in j.rejected[3][1]
+    rejected = (tmp_path / "generations.jsonl.rejected").read_text().splitlines()
+    assert rejected == lines[1:5]  # nothing is lost: the set-aside lines are kept verbatim
+    j.append(rec("a", "third"))  # already done: not written twice
     j.close()
     assert path.read_text().count('"key": "a"') == 1
+    assert Journal(path).rejected == []  # the journal was repaired on disk
+
+
+def test_journal_refuses_to_write_a_record_it_could_not_read_back(tmp_path):
+    j = Journal(tmp_path / "g.jsonl")
+    with pytest.raises(ValueError, match="missing 'prompt_hash'"):
+        j.append({"key": "a", "doc_id": 0, "repeat": 0, "text": "", "stats": {}})
+    j.close()
+
+
+def test_run_lock_refuses_a_second_holder_and_names_the_first(tmp_path):
+    first = RunLock(tmp_path)
+    first.acquire()
+    # flock is per open file description: a second acquire in this process is refused like another process
+    with pytest.raises(RunInUse, match=f"pid {os.getpid()}"):
+        RunLock(tmp_path).acquire()
+    first.release()
+    again = RunLock(tmp_path)
+    again.acquire()  # released: free again
+    again.release()
+
+
+def test_atomic_write_leaves_no_temp_file_on_failure_and_uses_the_umask_mode(tmp_path):
+    with pytest.raises(TypeError):
+        atomic_write(tmp_path / "m.json", 12345)  # not text: the write fails half way
+    assert list(tmp_path.iterdir()) == []
+    atomic_write(tmp_path / "a.txt", "x")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE((tmp_path / "a.txt").stat().st_mode) == 0o666 & ~mask
+
+
+def test_save_figure_is_atomic_and_readable(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    path = save_figure(fig, tmp_path / "p.png")
+    plt.close(fig)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and [p.name for p in tmp_path.iterdir()] == ["p.png"]
 
 
 def test_budget_tag_names_every_changed_setting():

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from evalkit.config import CONF_DIR, choices, compose
+from evalkit.results import Journal
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model=tiny_llama", "task.load.n=1", "task.load.lengths=[1024]"]
@@ -59,7 +60,7 @@ def test_run_writes_results_and_is_idempotent(tmp_path):
     assert set(metrics["scores"]) >= {"score", "score/1024", "score/niah_single_1"}
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 6 and all(
-        {"id", "prompt_hash", "predictions", "scores"} <= set(s) for s in samples
+        {"id", "prompt_hash", "predictions", "scores", "repeat_scores"} <= set(s) for s in samples
     )
     assert "prompt" not in samples[0] and len(samples[0]["prompt_hash"]) == 16  # no full contexts stored
     again = evalkit(*SMALL, "method=snapstream", "method.budget=64", results=tmp_path)
@@ -87,7 +88,7 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)  # mid-run: some generations journaled, no metrics yet
     proc.wait()
-    done_before = len(journal.read_text().splitlines())
+    done_before = len(Journal(journal).records)  # a torn last line (killed mid-write) does not count
     assert 5 <= done_before < 18 and not (journal.parent / "metrics.json").exists()
     evalkit(*args, results=tmp_path / "killed")
     keys = [json.loads(x)["key"] for x in journal.read_text().splitlines()]
@@ -97,6 +98,12 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
         for d in ("clean", "killed")
     )
     assert a["scores"] == b["scores"] and a["kv"] == b["kv"] and a["n"] == b["n"] == 18
+    # resumed, not restarted: what was journaled before the kill was taken from the journal, the rest generated
+    assert (
+        b["generation"]["from_journal"] == done_before
+        and b["generation"]["generated_now"] == 18 - done_before
+    )
+    assert a["generation"]["from_journal"] == 0 and a["generation"]["generated_now"] == 18
     sa, sb = (
         (run_folder(tmp_path / d, "streamingllm") / "samples.jsonl").read_text() for d in ("clean", "killed")
     )
@@ -124,7 +131,7 @@ def test_two_job_sweep_through_joblib(tmp_path):
         ("task=nope", "Available options in 'task'"),
         ("model=nope", "Available options in 'model'"),
         ("method=h2o", "Available options in 'method'"),
-        ("method.budget=abc", "budget must be a positive integer"),
+        ("method.budget=abc", "budget must be int"),
         ("method.budget=0", "budget must be > 0"),
         ("method.recent=500", "sink + recent must be <= budget"),
         ("batch_size=0", "batch_size must be a positive integer"),

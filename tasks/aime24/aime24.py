@@ -16,7 +16,8 @@ from pathlib import Path
 from evalkit.sample import Sample, Skipped
 from evalkit.task import Loaded, data_file, keep_all, lm_eval_hooks, sha256_bytes, subsample, unique
 
-VERSION = 1  # bump when the prompt, data handling or scoring changes
+VERSION = 1  # bump when the prompt or data handling changes (the generations change)
+SCORER_VERSION = 1  # bump when extraction or scoring changes: finished runs re-score from their journals
 TASK = "aime24"
 REPO = "HuggingFaceH4/aime_2024"
 # Not checked against the hub from here (unreachable): the revision several public pins use for this file.

@@ -31,7 +31,8 @@ from evalkit.task import Loaded, data_file, keep_all, lm_eval_hooks, subsample, 
 from tasks.livecodebench.grade import OUTCOMES, Cases, configure, extract_code, grade_many, pass_at_k
 
 TASK = "livecodebench"
-VERSION = 1  # bump when the prompt, data handling or grading changes
+VERSION = 1  # bump when the prompt or data handling changes (the generations change)
+SCORER_VERSION = 1  # bump when extraction or scoring changes: finished runs re-score from their journals
 REPO = "livecodebench/code_generation_lite"
 # Not checked against the hub from here (unreachable): the dataset revision public LiveCodeBench pins record
 # (e.g. beside lcb_runner@28fef95 and test6.jsonl, 175 problems).

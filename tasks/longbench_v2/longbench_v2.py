@@ -16,7 +16,8 @@ from pathlib import Path
 from evalkit.sample import Sample, Skipped
 from evalkit.task import Loaded, data_file, keep_all, lm_eval_hooks, sha256_bytes, subsample, unique
 
-VERSION = 1  # bump when the prompt, data handling or scoring changes
+VERSION = 1  # bump when the prompt or data handling changes (the generations change)
+SCORER_VERSION = 1  # bump when extraction or scoring changes: finished runs re-score from their journals
 TASK = "longbench_v2"
 REPO = "THUDM/LongBench-v2"
 # Not checked against the hub from here (unreachable): this revision and the sha256/size of its data.json

@@ -20,8 +20,9 @@ from tasks.ruler import frozen, generate
 from tasks.ruler.constants import NO_DATA_TASKS, TASKS
 from tasks.ruler.data import RulerData, resolve
 
-# bump when the prompts, scoring or data handling change (generate.GENERATOR_VERSION keys frozen files)
-VERSION = 1
+# VERSION: bump when the prompts or data handling change (generate.GENERATOR_VERSION keys frozen files)
+VERSION = 1  # bump when the prompt or data handling changes (the generations change)
+SCORER_VERSION = 1  # bump when extraction or scoring changes: finished runs re-score from their journals
 
 DEFAULT_N = 500  # upstream NUM_SAMPLES per task and length
 

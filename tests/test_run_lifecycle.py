@@ -1,0 +1,222 @@
+"""What a run folder goes through, in process on the tiny random model: re-scoring from the journal without a
+model when the scorer changes, a finished run on changed data refused, every bad input refused before the model
+loads, one process per folder, and evalkit's scores equal to lm-eval's own `process_results`."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import evalkit.run as runner
+import evalkit.task
+from evalkit.config import ConfigError, compose
+from evalkit.results import RunLock
+
+ROOT = Path(__file__).resolve().parents[1]
+RULER = [
+    "model=tiny_llama",
+    "task.load.n=1",
+    "task.load.lengths=[1024]",
+    "task.load.tasks=[niah_single_1,vt]",
+]
+AIME = ["model=tiny_llama", "task=aime24", "task.load.n=2", "model.max_new_tokens=8", "method=streamingllm"]
+
+
+def run(*overrides, results):
+    evalkit.task._MEMO.clear()  # the in-process data memo stands for one process: each call here is a new one
+    return runner.run(compose(overrides=[*overrides, f"results_dir={results}"]))
+
+
+def folder(results, task="ruler", method="snapstream", tag="64"):
+    return Path(results) / "runs" / task / "tiny_llama" / method / tag
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any model load fails the test: what follows must be done from the journal alone."""
+
+    def refuse(spec):
+        raise AssertionError(f"the model {spec.name} was loaded")
+
+    monkeypatch.setattr(runner, "get_model", refuse)
+
+
+def test_a_changed_scorer_rescores_from_the_journal_without_a_model(tmp_path, monkeypatch, capsys):
+    args = [*RULER, "method.budget=64"]
+    first = run(*args, results=tmp_path)[0]
+    out = folder(tmp_path)
+    journal = (out / "generations.jsonl").read_bytes()
+    assert first["generation"]["generated_now"] == 2 and first["generation"]["from_journal"] == 0
+    assert first["scorer_version"] == 1 and first["identity"]["scoring"]
+
+    import tasks.ruler.ruler as ruler
+
+    monkeypatch.setattr(ruler, "SCORER_VERSION", 2)  # a fixed scorer: every prediction now scores 42
+    monkeypatch.setattr(ruler, "score", lambda predictions, sample: {"score": 42.0})
+    with monkeypatch.context() as m:
+        m.setattr(runner, "get_model", lambda spec: pytest.fail("re-scoring loaded the model"))
+        again = run(*args, results=tmp_path)[0]
+    assert "re-scoring from its journal" in capsys.readouterr().out
+    assert again["scorer_version"] == 2 and again["scores"]["score"]["mean"] == 42.0
+    assert again["generation"]["generated_now"] == 0 and again["generation"]["from_journal"] == 2
+    assert (out / "generations.jsonl").read_bytes() == journal  # nothing generated, nothing rewritten
+    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert [r["scores"] for r in rows] == [{"score": 42.0}] * 2 and [r["repeat_scores"] for r in rows] == [
+        [{"score": 42.0}]
+    ] * 2
+    assert again["identity"]["scoring"] != first["identity"]["scoring"]
+    assert again["identity"]["generation"] == first["identity"]["generation"]
+    capsys.readouterr()
+    run(*args, results=tmp_path)  # up to date now: skipped
+    assert "is complete; skipping" in capsys.readouterr().out
+
+
+def test_a_changed_headline_rescores_and_a_changed_generation_setting_is_refused(
+    tmp_path, no_model, monkeypatch
+):
+    monkeypatch.undo()  # the first run needs the model
+    run(*RULER, "method.budget=64", results=tmp_path)
+    monkeypatch.setattr(runner, "get_model", lambda spec: pytest.fail("loaded"))
+    m = run(*RULER, "method.budget=64", "task.headline=score/vt", results=tmp_path)[0]
+    assert m["headline"] == "score/vt" and m["generation"]["generated_now"] == 0
+    with pytest.raises(ConfigError, match="different config"):
+        run(*RULER, "method.budget=64", "seed=5", results=tmp_path)
+
+
+def test_a_finished_run_on_changed_data_is_refused_not_skipped(tmp_path):
+    data = tmp_path / "aime.jsonl"
+    shutil.copy(ROOT / "tasks/aime24/data/sample.jsonl", data)
+    run(*AIME, f"task.load.source={data}", results=tmp_path / "r")
+    rows = data.read_text().splitlines()
+    row = json.loads(rows[0])
+    row["problem"] += " (edited)"
+    data.write_text("\n".join([json.dumps(row), *rows[1:]]) + "\n")
+    with pytest.raises(runner.DataError, match="now hashes to"):
+        run(*AIME, f"task.load.source={data}", results=tmp_path / "r")
+
+
+def test_a_journal_for_other_prompts_is_refused_when_scoring(tmp_path, monkeypatch):
+    run(*RULER, "method.budget=64", results=tmp_path)
+    out = folder(tmp_path)
+    recs = [json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()]
+    recs[0]["prompt_hash"] = "f" * 16  # as if the prompt template changed without a VERSION bump
+    (out / "generations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (out / "metrics.json").unlink()
+    monkeypatch.setattr(runner, "get_model", lambda spec: pytest.fail("loaded"))
+    with pytest.raises(runner.JournalError, match="generated for another prompt"):
+        run(*RULER, "method.budget=64", results=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "overrides, error, message",
+    [
+        (["task.load.n=0"], ConfigError, "task.load.n must be null (all) or a positive integer"),
+        (["task.load.n=-1"], ConfigError, "task.load.n must be"),
+        (["task.name=../../x"], ConfigError, "task.name must be a plain name"),
+        (["model.name=../../x"], ConfigError, "model.name must be a plain name"),
+        (["method._target_=os.system"], ConfigError, "must name a KV method class in evalkit.kv"),
+        (["method.recent=../../y"], ConfigError, "recent must be int or null, got '../../y'"),
+        (["method.budget=abc"], ConfigError, "budget must be int"),
+        (["+method.recnet=3"], ConfigError, "unknown setting 'recnet'"),
+        (["results_dir=/proc/evalkit"], ConfigError, "results_dir: cannot write into /proc/evalkit"),
+    ],
+)
+def test_bad_input_is_refused_before_data_or_model(overrides, error, message, tmp_path, no_model):
+    cfg = compose(overrides=[*RULER, f"results_dir={tmp_path}", *overrides])
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        runner.run(cfg)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_results_dir_that_is_a_file_fails_early_and_leaves_nothing(tmp_path, no_model):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="results_dir: cannot write"):
+        run(*RULER, results=blocker / "sub")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "no usable samples in local:.*: the source holds no rows"),
+        (
+            '{"id": 1, "problem": "p"}\n{"id": 2, "answer": "12"}\n',
+            "1: missing field.*answer.*2: missing field.*problem",
+        ),
+    ],
+)
+def test_zero_samples_fail_before_the_model_with_the_reasons(content, message, tmp_path, no_model):
+    data = tmp_path / "aime.jsonl"
+    data.write_text(content)
+    with pytest.raises(runner.DataError, match=message):
+        run(*AIME, f"task.load.source={data}", results=tmp_path / "r")
+    assert not (tmp_path / "r" / "runs").exists()
+
+
+def test_model_max_length_and_revision_are_settable_on_every_model_conf():
+    from evalkit.config import choices
+
+    for name in choices("model"):
+        cfg = compose(overrides=[f"model={name}", "model.max_length=2048", "model.revision=abc"])
+        assert cfg.model.max_length == 2048 and cfg.model.revision == "abc"
+
+
+def test_a_second_process_on_the_same_folder_is_refused(tmp_path):
+    out = folder(tmp_path)
+    lock = RunLock(out)
+    lock.acquire()
+    try:
+        with pytest.raises(runner.RunInUse, match="is being run by pid"):
+            run(*RULER, "method.budget=64", results=tmp_path)
+    finally:
+        lock.release()
+    assert not (out / "generations.jsonl").exists()  # refused before generating anything
+
+
+def test_evalkit_scores_equal_lm_evals_process_results(tmp_path):
+    """The runner scores from the journal itself; lm-eval's own path (the YAML's process_results, fed the same
+    generations) must give the same per-sample scores."""
+    from lm_eval import simple_evaluate
+    from lm_eval.api.model import LM
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    from evalkit.lm import EvalkitLM
+    from evalkit.results import Journal
+
+    run(*AIME, "task.repeats=2", results=tmp_path)  # sampled at T=0.6: the two repeats differ
+    out = folder(tmp_path, "aime24", "streamingllm", "256")
+    journal = Journal(out / "generations.jsonl")
+    model, tokenizer = runner.get_model(runner.plans_for(compose(overrides=AIME))[0].spec)
+    evalkit_lm = EvalkitLM(model="tiny_llama", hf_model=model, tokenizer=tokenizer, journal=journal)
+
+    class Replay(LM):  # answers every request from the journal, exactly as EvalkitLM keys them
+        def generate_until(self, requests, disable_tqdm=False):
+            return evalkit_lm.generate_until(requests, disable_tqdm=True)
+
+        def loglikelihood(self, requests):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests):
+            raise NotImplementedError
+
+    evalkit_lm._model_generate = lambda *a, **k: pytest.fail("a request was not in the journal")
+    meta = {"source": "sample", "n": 2, "seed": 0, "tokenizer": "smollm2_135m"}
+    manager = TaskManager(include_path=str(ROOT / "tasks"), include_defaults=False, metadata=meta)
+    tasks = get_task_dict(["aime24"], manager)
+    for task in tasks.values():
+        task.config.repeats = 2
+    result = simple_evaluate(model=Replay(), tasks=list(tasks.values()), log_samples=True, bootstrap_iters=0,
+                             task_manager=manager)  # fmt: skip
+    journal.close()
+    logged = sorted(result["samples"]["aime24"], key=lambda s: s["doc_id"])
+    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == len(logged) == 2
+    for row, s in zip(rows, logged):
+        assert (
+            row["predictions"] == s["resps"][0] and len(set(row["predictions"])) == 2
+        )  # lm-eval batches repeats
+        assert row["scores"] == {k: s[k] for k in s["metrics"]} and row["id"] == s["doc"]["id"]
+        assert len(row["repeat_scores"]) == 2
+        assert row["scores"]["pass@1"] == sum(r["pass@1"] for r in row["repeat_scores"]) / 2
