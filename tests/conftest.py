@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -46,3 +51,23 @@ def smollm2():
     from evalkit.models import load_model
 
     return load_model(model_spec("smollm2_135m"))
+
+
+def killed_run(args: list[str], results: Path, after: int) -> subprocess.CompletedProcess:
+    """`python -m evalkit` SIGKILLed by itself right after its `after`-th journal append: a kill at an exact
+    moment, with no clock involved."""
+    hook = (
+        "import os, signal, sys\n"
+        "import evalkit.results as r\n"
+        "append, count = r.Journal.append, [0]\n"
+        "def killing_append(self, rec):\n"
+        "    append(self, rec)\n"
+        "    count[0] += 1\n"
+        f"    if count[0] == {after}: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "r.Journal.append = killing_append\n"
+        "from evalkit.run import main\n"
+        "sys.argv = ['evalkit', *sys.argv[1:]]\n"
+        "main()\n"
+    )
+    cmd = [sys.executable, "-c", hook, *args, f"results_dir={results}"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -2,17 +2,14 @@
 bad input before any model loads, and lm-eval's own CLI on the same task and model."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from evalkit.config import CONF_DIR, choices, compose
-from evalkit.results import Journal
+from tests.conftest import killed_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model=tiny_llama", "task.load.n=1", "task.load.lengths=[1024]"]
@@ -69,7 +66,8 @@ def test_run_writes_results_and_is_idempotent(tmp_path):
     assert clash.returncode == 2 and "different config" in clash.stderr
 
 
-def test_killed_run_resumes_to_the_same_metrics(tmp_path):
+@pytest.mark.parametrize("after", [5, 18])  # mid-run, and with every generation journaled but no metrics
+def test_killed_run_resumes_to_the_same_metrics(tmp_path, after):
     args = [
         "model=tiny_llama",
         "task.load.n=3",
@@ -78,18 +76,11 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
         "method.budget=64",
     ]
     evalkit(*args, results=tmp_path / "clean")
-    cmd = [sys.executable, "-m", "evalkit", *args, f"results_dir={tmp_path / 'killed'}"]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    killed = killed_run(args, tmp_path / "killed", after)  # SIGKILL right after the after-th journal line
+    assert killed.returncode == -9
     journal = run_folder(tmp_path / "killed", "streamingllm") / "generations.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and (not journal.exists() or len(journal.read_text().splitlines()) < 5):
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # mid-run: some generations journaled, no metrics yet
-    proc.wait()
-    done_before = len(Journal(journal).records)  # a torn last line (killed mid-write) does not count
-    assert 5 <= done_before < 18 and not (journal.parent / "metrics.json").exists()
+    assert len(journal.read_text().splitlines()) == after and not (journal.parent / "metrics.json").exists()
+    done_before = after
     evalkit(*args, results=tmp_path / "killed")
     keys = [json.loads(x)["key"] for x in journal.read_text().splitlines()]
     assert len(keys) == len(set(keys)) == 18  # nothing duplicated, nothing lost
