@@ -1,6 +1,9 @@
 """Model loading: every conf composes; real loading code runs on saved tiny models; errors say what to do."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -58,3 +61,38 @@ def test_embedded_model_is_cached_and_uses_its_chat_template(smollm2):
     )
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert model.dtype == torch.float32
+
+
+def test_fingerprint_records_the_commit_a_hub_revision_resolved_to(tmp_path):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snap = tmp_path / "models--org--m" / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text('{"model_type": "llama"}')
+    (snap / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "models--org--m" / "refs").mkdir()
+    (tmp_path / "models--org--m" / "refs" / "main").write_text(commit)
+    code = (
+        "import json; from evalkit.models import ModelSpec, fingerprint; "
+        "print(json.dumps([fingerprint(ModelSpec(name='m', id='org/m')), "
+        "fingerprint(ModelSpec(name='m', id='org/m', revision='main'))]))"
+    )
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert json.loads(out.stdout) == [{"weights": commit, "tokenizer": commit}] * 2  # a branch name resolved
+
+
+def test_fingerprint_of_local_packaged_and_random_models(tmp_path):
+    from evalkit.models import ModelSpec, fingerprint
+
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    local = fingerprint(ModelSpec(name="m", path=str(tmp_path)))
+    assert local["weight_file_bytes"] == {"model.safetensors": 10}
+    (tmp_path / "config.json").write_text('{"a": 2}')
+    assert fingerprint(ModelSpec(name="m", path=str(tmp_path))) != local  # a changed config is seen
+    packaged = fingerprint(model_spec("smollm2_135m"))
+    assert len(packaged["gguf_sha256"]) == 64
+    a, b = (
+        fingerprint(ModelSpec(name="t", random={"model_type": "llama", "hidden_size": h})) for h in (64, 32)
+    )
+    assert a != b and a["seed"] == 0
