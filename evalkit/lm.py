@@ -185,7 +185,7 @@ class EvalkitLM(HFLM):
         sample = Sample.from_doc(doc)
         return Prompt(
             key,
-            render(self.tokenizer, sample.prompt, sample.answer_prefix, sample.system),
+            render(self.tokenizer, sample.prompt, sample.answer_prefix, sample.system, sample.rendered),
             min(sample.max_new_tokens, limit),
             gen,
             sample,
@@ -223,7 +223,7 @@ class EvalkitLM(HFLM):
             second.append(
                 Prompt(
                     p.key,
-                    render(self.tokenizer, s.prompt, s.answer_prefix, s.system),
+                    render(self.tokenizer, s.prompt, s.answer_prefix, s.system, s.rendered),
                     self._cap(s.max_new_tokens),
                     p.gen,
                     s,
