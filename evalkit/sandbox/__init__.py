@@ -6,18 +6,23 @@ cut at a cap. Where the machine allows (`isolation()` reports what it does): new
 network at all), new PID namespace (all descendants die with the program), new IPC/UTS namespaces, a mount
 namespace whose root is built from an empty tmpfs holding only what the interpreter needs, read-only (/usr,
 /lib*, the interpreter's prefixes, ld.so.cache, a few device nodes, the run's own dir, the PID namespace's
-/proc) and nothing else of the host (no checkout, results or task data, home, sockets) - or, where that
+/proc) and nothing else of the host (no checkout, results or task data, home, sockets; evalkit's own package
+dirs, where a wheel or system install put them inside a bound prefix, are mounted empty) - or, where that
 cannot be built, the host's file system read-only with /root, $HOME, /tmp, /var/tmp and /run emptied - and a
-per-run unprivileged uid without supplementary groups (as root) or a user namespace (otherwise). Always:
-setrlimit AS/CPU/FSIZE/NPROC/NOFILE/CORE and no_new_privs. `run_program` refuses a machine that gives no
-network namespace, or neither a PID namespace nor the uid drop (see `missing_isolation`). A timeout, a cap
-breach or the caller's `on_event` stop kills the whole tree; no descendant outlives a run, and every process
-is reaped, by the sandbox itself (the machine's PID 1 need not reap). Upstream LiveCodeBench's
-`reliability_guard` is not a sandbox; this replaces it. Implementation: `_host.py` (this side), `_boot.py`
-(the bootstrap inside).
+per-run unprivileged uid without supplementary groups (as root) or a user namespace (otherwise); a seccomp
+filter that refuses new namespaces (no nested user namespace); the program's total memory capped by a cgroup
+v2 `memory.max` where one is delegated to us, else by refusing fork (seccomp) so that RLIMIT_AS covers its one
+process. Always: setrlimit AS/CPU/FSIZE/NPROC/NOFILE/CORE and no_new_privs. The bootstrap's source and
+settings come on memfds, never on a command line the program could read. `run_program` refuses a machine
+that gives no network namespace, neither a PID namespace nor the uid drop, or no bound on total memory (see
+`missing_isolation`). A timeout, a cap breach or the caller's `on_event` stop kills the whole tree; no
+descendant outlives a run, and every process is reaped, by the sandbox itself (the machine's PID 1 need not
+reap). Upstream LiveCodeBench's `reliability_guard` is not a sandbox; this replaces it. Implementation:
+`_host.py` (this side), `_boot.py` (the bootstrap inside).
 
 Programs may report progress as JSON lines on fd 3: `run_program(..., on_event=f)` calls `f(event)` for
-each (return False to stop the run), and each event re-arms the `timeout_s` watchdog. A grader thus runs a
+each (return False to stop the run), and each event re-arms the `timeout_s` watchdog (the first may get
+longer: `first_event_s`, for start-up). A grader thus runs a
 driver that executes many tests in one process and stops it at the first failure.
 """
 
@@ -131,11 +136,10 @@ def _run(code: str, stdin, *, mode: str, require: dict | None, timeout_s: float,
          cgroup_parent: str | None = None, no_fork: bool | None = None) -> tuple[RunResult, list[dict]]:  # fmt: skip
     """One run. `no_fork` (default: when there is no cgroup) makes seccomp refuse new processes; the hostile
     tests turn it off to exercise the process containment that cgroup-mode runs rely on."""
-    uid = _host.acquire_uid()
-    root = _host.prepare_root({"prog.py": code}, uid)
-    cgroup, cgroup_fd = _host.make_cgroup(cgroup_parent, memory_mb, nproc) if cgroup_parent else (None, None)
-    oom = False
+    uid, root, cgroup = _host.acquire_uid(), None, None
     try:
+        root = _host.prepare_root({"prog.py": code}, uid)
+        cgroup, cgroup_fd = _cgroup(cgroup_parent, memory_mb, nproc)
         limits = dict(memory_mb=memory_mb, cpu_s=cpu_s, disk_mb=disk_mb, nproc=nproc, nofile=nofile)
         argv = [_host.interpreter(), "-I", os.path.join(root, "prog.py")]
         cfg = _host.make_config(root, argv, uid=uid, limits=limits, mode=mode, require=require,
@@ -152,11 +156,23 @@ def _run(code: str, stdin, *, mode: str, require: dict | None, timeout_s: float,
                                 output_limit=output_limit, on_event=on_event, first_event_s=first_event_s)  # fmt: skip
         finally:
             _host.reap(proc, kill=pumped is None or pumped.stopped is not None)
-            oom = cgroup is not None and _host.remove_cgroup(cgroup)
+        oom, cgroup = cgroup is not None and _host.remove_cgroup(cgroup), None
         return _classify(pumped, proc.returncode, time.monotonic() - start, oom), pumped.status
     finally:
-        _host.cleanup(root)
+        if cgroup is not None:
+            _host.remove_cgroup(cgroup)
+        if root is not None:
+            _host.cleanup(root)
         _host.release_uid(uid)
+
+
+def _cgroup(parent: str | None, memory_mb: int, nproc: int) -> tuple[str | None, int | None]:
+    if parent is None:
+        return None, None
+    try:
+        return _host.make_cgroup(parent, memory_mb, nproc)
+    except OSError as e:
+        raise SandboxError(f"cannot make a run cgroup in {parent}: {e}") from None
 
 
 def _buffers(stdin) -> list:
