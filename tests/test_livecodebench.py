@@ -19,7 +19,7 @@ import pytest
 
 from evalkit import sandbox
 from evalkit.sample import render
-from tasks.livecodebench import grade
+from tasks.livecodebench import driver, grade
 from tasks.livecodebench import livecodebench as lcb
 from tasks.livecodebench import livecodebench_r1 as r1
 from tasks.livecodebench.grade import Cases
@@ -358,7 +358,6 @@ STDIN = Cases(["1 2\n", "5 7\n"], ["3\n", "12\n"], None)
         ("import os\nos.kill(os.getpid(), 9)", "runtime_error"),  # upstream's reliability_guard: os.kill is None
         ("import signal\nsignal.raise_signal(9)", "sandbox_kill"),
         ("import os\nwhile True:\n    os.write(1, b'x' * 65536)", "timeout"),  # real stdout: not graded, not kept
-        ("print('x' * (40 << 20))", "sandbox_kill"),  # a 40 MB output exceeds the sandbox's output cap
         # hostile or odd output is judged, never crashes the grader
         ("input()\nprint('sNaN')", "wrong_answer"),  # a signalling NaN cannot be compared
         ("import os\nos.write(3, b'[' * 100000 + b'\\n')\ninput()", "runtime_error"),  # too deep to decode
@@ -366,6 +365,15 @@ STDIN = Cases(["1 2\n", "5 7\n"], ["3\n", "12\n"], None)
 )  # fmt: skip
 def test_stdin_semantics(code, outcome):
     assert grade.grade(code, STDIN).outcome == outcome
+
+
+def test_output_over_the_cap_is_a_sandbox_kill():
+    """A 40 MB output exceeds the sandbox's 32 MB cap (upstream has none: a deviation). A generous limit, so
+    that producing it on a busy machine cannot turn into a timeout first."""
+    s = grade.Settings(
+        workers=1, timeout_s=60, memory_mb=1024, allow_unisolated=grade._settings.allow_unisolated
+    )
+    assert grade.grade("print('x' * (40 << 20))", STDIN, s).outcome == "sandbox_kill"
 
 
 # --- every way of reading stdin, as upstream grades it ---------------------------------------------------------
@@ -428,6 +436,7 @@ FORMS = [  # (name, program after SOLVE, upstream's result, evalkit's outcome)
     ("threading main", "import sys, threading\ndef main():\n    t = int(sys.stdin.readline())\n    for _ in range(t):\n        print(solve(sys.stdin.readline().strip()))\nthreading.stack_size(1 << 26)\nth = threading.Thread(target=main)\nth.start()\nth.join()", True, "passed"),
     ("import resource", "import resource\nt = int(input())\n" + LOOP.format("input()"), -4, "compile_error"),  # guard
     ("os.getcwd()", "import os\nos.getcwd()\nt = int(input())\n" + LOOP.format("input()"), -4, "runtime_error"),  # guard
+    ("import multiprocessing", "import multiprocessing\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),  # loaded before the guard
     ("os.fork is None", "import os\nassert os.fork is None and os.system is None\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),
     ("__main__ guard", "def main():\n    t = int(input())\n    for _ in range(t):\n        print(solve(input().strip()))\n\nif __name__ == '__main__':\n    main()", True, "passed"),
     ("sys.argv", "import sys\nassert sys.argv[1:3] == ['--model', 'deepseek-ai/DeepSeek-R1']\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),
@@ -472,7 +481,7 @@ def test_stdin_forms_side_by_side_with_upstream(bracket_tests, tmp_path):
         "from lcb_runner.evaluation.compute_code_generation_metrics import evaluate_generations\n"
         "job = json.load(open(sys.argv[2]))\n"
         "sample = {'input_output': json.dumps({'inputs': job['inputs'], 'outputs': job['outputs'], 'fn_name': None})}\n"
-        f"sys.argv = {grade_driver_argv()!r}\n"
+        f"sys.argv = {driver.ARGV!r}\n"
         "res, _ = evaluate_generations([sample], [job['codes']], num_process_evaluate=2, timeout=6)\n"
         "print(json.dumps(res[0]))\n"
     )  # fmt: skip
@@ -480,12 +489,6 @@ def test_stdin_forms_side_by_side_with_upstream(bracket_tests, tmp_path):
                          capture_output=True, text=True, check=True, cwd=checkout).stdout  # fmt: skip
     results = json.loads(out.strip().splitlines()[-1])
     assert [True if all(x is True for x in r) else r[-1] for r in results] == [u for _, _, u, _ in FORMS]
-
-
-def grade_driver_argv() -> list[str]:
-    from tasks.livecodebench import driver
-
-    return driver.ARGV
 
 
 CALL = Cases(["[3,1,2]", "[5]"], ["[1, 3]", "[5, 5]"], "extremes")

@@ -70,12 +70,16 @@ def as_upstream_process() -> None:
     sys.set_int_max_str_digits(50000)  # upstream sets it in the grading process
 
 
+# What upstream's grading process had imported before its guard ran (testing_util.py and
+# compute_code_generation_metrics.py import these): there a candidate's `import numpy` finds it loaded.
+# Imported after the guard they fail (numpy's import calls os.putenv, multiprocessing's os.getcwd).
+PRELOAD = ("numpy", "multiprocessing", "concurrent.futures")
+
+
 def preload() -> None:
-    """What upstream's grading process imported before its guard ran (testing_util imports numpy): there a
-    candidate's `import numpy` finds it loaded. Imported after the guard it would fail (numpy's own import
-    calls os.putenv, which the guard removes)."""
-    with contextlib.suppress(ImportError):
-        import numpy  # noqa: F401
+    for name in PRELOAD:
+        with contextlib.suppress(ImportError):
+            __import__(name)
 
 
 def reliability_guard() -> None:
