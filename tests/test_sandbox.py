@@ -496,6 +496,7 @@ def test_malicious_pickled_tests_are_refused():
 # A wheel or system install puts evalkit's packages, task data (expected outputs) included, in a site-packages
 # dir the view binds for the interpreter: the sandbox mounts an empty dir over each harness package there.
 DATA = sorted(str(p) for p in (REPO / "tasks").glob("*/data/*") if p.is_file())
+REAL_HARNESS_DIRS = _host.harness_dirs
 
 
 def listing(paths: list[str]) -> dict:
@@ -510,18 +511,25 @@ def listing(paths: list[str]) -> dict:
     return json.loads(r.stdout)
 
 
-def test_harness_packages_and_data_are_not_in_view():
+@pytest.fixture(params=["allowlist", "ro-root"])
+def view(request, monkeypatch):
+    """Each file-system view: the allow-list, and the read-only host (the fallback where pivot_root is not
+    possible), forced by what the probe is taken to have found."""
+    needs(filesystem="allowlist")  # a machine that builds the allow-list can build the fallback too
+    monkeypatch.setattr(sandbox, "_probed", {**sandbox.isolation(), "filesystem": request.param})
+    return request.param
+
+
+def test_harness_packages_and_data_are_not_in_view(view):
     """Wherever evalkit's packages live (here: the checkout), neither they nor any task data file is there."""
-    needs(filesystem=("allowlist", "ro-root"))
     assert DATA and _host.harness_dirs()
     seen = listing(_host.harness_dirs() + DATA)
     assert all(v in (False, []) for v in seen.values()), seen
 
 
-def test_a_harness_package_inside_the_bound_prefix_is_empty(monkeypatch):
+def test_a_harness_package_inside_the_bound_prefix_is_empty(view, monkeypatch):
     """The wheel layout without building a wheel: a package dir inside the interpreter's bound prefix (pip's,
     standing in for an installed `tasks`) is mounted empty once it is a harness dir, and only then."""
-    needs(filesystem=("allowlist", "ro-root"))
     pip_dir = os.path.dirname(importlib.util.find_spec("pip").origin)
     assert pip_dir.startswith(os.path.realpath(sys.prefix)) and os.listdir(pip_dir)
     assert listing([pip_dir])[pip_dir]  # visible as an ordinary package
@@ -530,8 +538,8 @@ def test_a_harness_package_inside_the_bound_prefix_is_empty(monkeypatch):
     try:
         assert listing([pip_dir]) == {pip_dir: []}
     finally:
-        monkeypatch.undo()
-        _host.base_view.cache_clear()
+        monkeypatch.setattr(_host, "harness_dirs", REAL_HARNESS_DIRS)
+        _host.base_view.cache_clear()  # no view with the stand-in survives this test
 
 
 WHEEL_CHECK = """

@@ -139,8 +139,9 @@ def _outermost(paths: list[str]) -> list[str]:
 
 def hidden_dirs(keep: list[str]) -> list[tuple[str, list[str]]]:
     """(dir to overmount, the kept paths inside it) for each of HIDE that exists and holds no kept path
-    whole; nested HIDE entries are hidden with their parent."""
-    dirs = {os.path.realpath(os.path.expanduser(d)) for d in HIDE} | set(harness_dirs())
+    whole (nested HIDE entries are hidden with their parent), then each harness package dir, even inside a
+    kept path (a wheel in the venv): last, so that no kept path bound back over a HIDE dir re-exposes it."""
+    dirs = {os.path.realpath(os.path.expanduser(d)) for d in HIDE}
     dirs = {d for d in dirs if d != "/" and os.path.isdir(d) and not any(_within(d, k) for k in keep)}
     out = []
     for d in sorted(dirs):
@@ -149,7 +150,7 @@ def hidden_dirs(keep: list[str]) -> list[tuple[str, list[str]]]:
         inside = [k for k in keep if _within(k, d)]
         inside = [k for k in inside if not any(_within(k, o) for o in inside if o != k)]  # outermost only
         out.append((d, inside))
-    return out
+    return out + [(d, []) for d in harness_dirs() if os.path.isdir(d)]
 
 
 def _within(path: str, d: str) -> bool:
