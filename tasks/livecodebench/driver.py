@@ -14,6 +14,7 @@ input is never held twice as text.
 
 import ast
 import contextlib
+import importlib.util
 import json
 import os
 import sys
@@ -77,8 +78,10 @@ PRELOAD = ("numpy", "multiprocessing", "concurrent.futures")
 
 
 def preload() -> None:
+    """Import PRELOAD; one that is installed must load (a failure, e.g. too little memory, is the harness's:
+    the driver then never reports ready), one that is not is skipped, as it would be missing upstream too."""
     for name in PRELOAD:
-        with contextlib.suppress(ImportError):
+        if importlib.util.find_spec(name.split(".")[0]) is not None:
             __import__(name)
 
 
@@ -296,8 +299,8 @@ def main() -> None:
     _events = open(3, "w", encoding="utf-8", closefd=False)  # noqa: SIM115 - lives as long as the process
     job = open(os.dup(0), "rb")  # noqa: SIM115 - the host's stream, off fd 0 (which becomes /dev/null)
     header = json.loads(job.readline())
+    preload()  # while stderr still reaches the host: a failure here is reported there
     as_upstream_process()
-    preload()
     emit(ev="ready")
     reliability_guard()
     try:
