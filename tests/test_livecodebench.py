@@ -648,6 +648,33 @@ def test_score_many_pools_problems_and_memoizes(loaded, counted_runs):
                                                   for o in ["passed", *SOLUTIONS[s.id]["wrong"], "no_code"]]  # fmt: skip
 
 
+def test_pool_decodes_each_problem_once_and_when_due(monkeypatch):
+    """One worker: the second problem's tests are decoded only after the first problem's first program ran
+    (at most workers + 1 problems held); a problem listed twice (the runner's per-repeat call) is decoded
+    once, a repeated program runs once, an empty one never."""
+    events = []
+
+    def loader(name):
+        def load():
+            events.append(("load", name))
+            return Cases(["1\n"], ["1\n"], None)
+
+        return load
+
+    monkeypatch.setattr(grade, "_memo", {})
+    monkeypatch.setattr(grade, "_settings", grade.Settings(workers=1))
+    monkeypatch.setattr(
+        grade, "grade", lambda code, tests, s=None: events.append(("run", code)) or grade.Graded("passed")
+    )
+    out = grade.grade_problems(
+        [("a", loader("a"), ["x", "y"]), ("b", loader("b"), ["z", ""]), ("a", loader("a2"), ["x"])]
+    )
+    assert [[g.outcome for g in r] for r in out] == [["passed", "passed"], ["passed", "no_code"], ["passed"]]
+    # b is decoded once a's last program is submitted (here: after x ran), while that one runs
+    assert events[:2] == [("load", "a"), ("run", "x")] and events[-1] == ("run", "z")
+    assert sorted(events[2:4]) == [("load", "b"), ("run", "y")] and len(events) == 5
+
+
 def test_memo_is_keyed_by_settings_and_tests(loaded, counted_runs):
     runs, _ = counted_runs
     s = next(x for x in loaded.samples if x.id == "lcbs_001")

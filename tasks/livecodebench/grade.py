@@ -292,6 +292,7 @@ def _pool(problems, s: Settings) -> list[tuple[tuple, Graded]]:
             if failed.is_set():
                 break
             tests = load()
+            _ = tests.encoded  # encoded here, once, before the pool's threads share it
             for job in jobs:
                 free.acquire()
                 fut = pool.submit(grade, job[1], tests, s)
