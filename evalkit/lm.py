@@ -39,7 +39,7 @@ def prompt_hash(text: str) -> str:
 
 def sample_prompt(tokenizer, sample: Sample) -> str:
     """The exact text the model is given for an evalkit sample (journaled by its hash, checked on re-scoring)."""
-    return render(tokenizer, sample.prompt, sample.answer_prefix, sample.system)
+    return render(tokenizer, sample.prompt, sample.answer_prefix, sample.system, sample.rendered)
 
 
 def generation_config(gen: dict, max_new_tokens: int, eos: list[int], pad: int) -> GenerationConfig:

@@ -13,9 +13,14 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 
-def render(tokenizer, prompt: str, answer_prefix: str = "", system: str | None = None) -> str:
+def render(
+    tokenizer, prompt: str, answer_prefix: str = "", system: str | None = None, rendered: bool = False
+) -> str:
     """The exact text the model sees: chat template (system + user turn), then the assistant prefill. A
-    tokenizer without a chat template (a base model) gets the bare prompt, as RULER's "base" template."""
+    tokenizer without a chat template (a base model) gets the bare prompt, as RULER's "base" template.
+    `rendered`: the prompt already is the model's whole input (a protocol's raw template): no template."""
+    if rendered:
+        return prompt + answer_prefix
     if not getattr(tokenizer, "chat_template", None):
         return (f"{system}\n\n" if system else "") + prompt + answer_prefix
     messages = [{"role": "system", "content": system}] if system else []
@@ -34,6 +39,7 @@ class Sample:
     system: str | None = None  # system message, only where the benchmark's protocol has one
     subset: str = ""  # breakdown tag(s) joined by "|", e.g. "niah_single_1|1024" or "easy|short"
     meta: dict = field(default_factory=dict)  # task-specific extras (choices, tests, source row id, ...)
+    rendered: bool = False  # prompt is the model's whole input (special tokens, turns): no chat template
 
     def to_doc(self) -> dict:
         """Flatten for `datasets`/lm-eval: nested, row-varying fields travel as JSON strings."""

@@ -1,11 +1,16 @@
-"""LiveCodeBench: prompt bytes, extraction and comparison tables, pass@k, the loader on the upstream schema,
-and grading of the bundled reference and deliberately wrong solutions in the sandbox."""
+"""LiveCodeBench: prompt bytes (generic and DeepSeek-R1 styles), extraction and comparison tables, pass@k, the
+loader on the upstream schema, and grading in the sandbox: the bundled reference and deliberately wrong
+solutions, every way of reading stdin against upstream's outcome, settings, large inputs, pooled scoring."""
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import pickle
+import subprocess
+import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -13,19 +18,24 @@ from pathlib import Path
 import pytest
 
 from evalkit import sandbox
-from tasks.livecodebench import grade
+from evalkit.sample import render
+from tasks.livecodebench import driver, grade
 from tasks.livecodebench import livecodebench as lcb
+from tasks.livecodebench import livecodebench_r1 as r1
 from tasks.livecodebench.grade import Cases
 
 SOLUTIONS = json.loads((Path(lcb.__file__).parent / "data" / "solutions.json").read_text())
+FAST = dict(workers=2, timeout_s=1.0, memory_mb=1024)  # 1 s per test keeps deliberate timeouts short
 
 
 @pytest.fixture(scope="module", autouse=True)
 def fast_sandbox():
-    """1 s per test keeps the deliberate timeouts short; 2 workers as on a small CI machine."""
-    iso = grade.configure(workers=2, timeout_s=1.0, memory_mb=1024)["isolation"]
-    if iso["network"] is None:
-        grade.configure(workers=2, timeout_s=1.0, memory_mb=1024, allow_unisolated=True)
+    """2 workers as on a small CI machine. Where isolation is missing the tests run unisolated, unless
+    EVALKIT_REQUIRE_ISOLATION=1 (CI), where configure() must accept this machine as it is."""
+    if sandbox.missing_isolation(sandbox.isolation()) and os.environ.get("EVALKIT_REQUIRE_ISOLATION") != "1":
+        grade.configure(**FAST, allow_unisolated=True)
+    else:
+        grade.configure(**FAST)
     yield
     grade.configure()
 
@@ -69,6 +79,73 @@ def test_prompt_functional_problem_bytes():
         "```python\nclass Solution:\n    def one(self) -> int:\n        \n```\n\n"
         "### Answer: (use the provided format with backticks)\n\n"
     )
+
+
+# Bytes of upstream `format_prompt_generation(question, LMStyle.DeepSeekR1)` (LiveCodeBench@28fef95,
+# lcb_runner/prompts/code_generation.py), produced by running it on these two questions:
+#     if LanguageModelStyle == LMStyle.DeepSeekR1:
+#         prompt = f"{PromptConstants.SYSTEM_MESSAGE_DEEPSEEK_R1}"
+#         prompt += f"{get_deepseek_r1_question_template_answer(question)}"
+R1_HEAD = (
+    "<｜begin▁of▁sentence｜>A conversation between User and Assistant. The user asks a question, and the Assistant "
+    "solves it. The assistant first thinks about the reasoning process in the mind and then provides the user "
+    "with the answer. The reasoning process and answer are enclosed within <think> </think> and <answer> "
+    "</answer> tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here </answer>."
+    "<｜User｜>You will be given a question (problem specification) and will generate a correct Python program "
+    "that matches the specification and passes all tests.\n\nQuestion: "
+)
+R1_STDIN = R1_HEAD + (
+    "Print twice N.\n\nInput\n\nN\n\nRead the inputs from stdin solve the problem and write the answer to "
+    "stdout (do not directly test on the sample inputs). Enclose your code within delimiters as follows. Ensure "
+    "that when the python program runs, it reads the inputs, runs the algorithm and writes output to STDOUT.\n"
+    "```python\n# YOUR CODE HERE\n```\n\n<｜Assistant｜>"
+)
+R1_STARTER = R1_HEAD + (
+    "Return 1.\n\nYou will use the following starter code to write the solution to the problem and enclose "
+    "your code within delimiters.\n```python\nclass Solution:\n    def one(self) -> int:\n        \n```\n\n"
+    "<｜Assistant｜>"
+)
+
+
+def test_r1_prompt_bytes():
+    assert r1.prompt("Print twice N.\n\nInput\n\nN", "") == R1_STDIN
+    assert r1.prompt("Return 1.", "class Solution:\n    def one(self) -> int:\n        ") == R1_STARTER
+
+
+class ChatTokenizer:
+    """Any chat template would wrap the prompt: a raw protocol prompt must reach the model unwrapped."""
+
+    chat_template = "{{ messages }}"
+
+    def apply_chat_template(self, messages, **_):
+        return f"<wrapped>{messages}</wrapped>"
+
+
+def test_r1_samples_are_rendered_as_is():
+    s = next(x for x in r1.load().samples if x.meta["fn_name"] is None)
+    row = next(json.loads(line) for line in lcb.SAMPLE.read_text().splitlines() if s.id in line)
+    assert s.rendered and s.system is None and s.task == "livecodebench_r1" and s.answer_prefix == ""
+    assert s.prompt == r1.prompt(row["question_content"], "") and s.prompt.endswith("<｜Assistant｜>")
+    assert render(ChatTokenizer(), s.prompt, s.answer_prefix, s.system, s.rendered) == s.prompt
+    generic = next(x for x in lcb.load().samples if x.id == s.id)
+    assert not generic.rendered and render(ChatTokenizer(), generic.prompt).startswith("<wrapped>")
+    assert type(s).from_doc(s.to_doc()) == s  # the flag survives lm-eval's dataset round trip
+
+
+def test_r1_window_and_versions(tmp_path):
+    """R1's "August 2024 - January 2025": 2024-08-01..2025-01-31, compared as upstream's loader does
+    (`p_start_date <= e.contest_date`, `e.contest_date <= p_end_date`, both `datetime.strptime(d, "%Y-%m-%d")`)."""
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.load(Path(lcb.__file__).parents[2] / "conf" / "task" / "livecodebench_r1.yaml")
+    window = {k: conf.load[k] for k in ("start_date", "end_date")}
+    assert window == {"start_date": "2024-08-01", "end_date": "2025-01-31"}
+    dates = ["2024-07-31T00:00:00", "2024-08-01T00:00:00", "2025-01-31T00:00:00", "2025-02-01T00:00:00"]
+    path = tmp_path / "test.jsonl"
+    path.write_text("".join(json.dumps(row(f"q{i}", contest_date=d)) + "\n" for i, d in enumerate(dates)))
+    got = r1.load(str(path), **window)
+    assert [s.id for s in got.samples] == ["q1", "q2"] and got.stats["outside_window"] == 2
+    assert (r1.VERSION, lcb.VERSION, r1.SCORER_VERSION, lcb.SCORER_VERSION) == (2, 1, 2, 2)
 
 
 # --- extraction, comparison, pass@k ----------------------------------------------------------------------------
@@ -242,12 +319,17 @@ def test_all_outcomes_are_covered():
     assert {o for _, o, _ in WRONG} | {"passed", "no_code", "sandbox_kill"} == set(grade.OUTCOMES)
 
 
-def test_timeout_ends_within_the_limit(loaded):
+def test_timeout_ends_near_the_limit(loaded):
+    """The 1 s limit ends an endless program; the bound scales with this machine's own grading time of a
+    quick program (no absolute threshold: a busy machine slows both)."""
     sample = next(s for s in loaded.samples if s.id == "lcbs_105")
+    tests = lcb.tests_of(sample.meta)
     t = time.monotonic()
-    graded = grade.grade(SOLUTIONS["lcbs_105"]["wrong"]["timeout"], lcb.tests_of(sample.meta))
-    assert graded.outcome == "timeout"
-    assert time.monotonic() - t < 2.5  # 1 s limit + start-up
+    assert grade.grade(SOLUTIONS["lcbs_105"]["reference"], tests).outcome == "passed"
+    baseline = time.monotonic() - t
+    t = time.monotonic()
+    assert grade.grade("while True:\n    pass", tests).outcome == "timeout"
+    assert time.monotonic() - t < FAST["timeout_s"] + 5 * baseline
 
 
 def test_k_predictions_of_one_sample(loaded):
@@ -268,17 +350,14 @@ STDIN = Cases(["1 2\n", "5 7\n"], ["3\n", "12\n"], None)
         ("a, b = map(int, input().split())\nprint(a + b)", "passed"),
         ("import sys\nprint(sum(map(int, sys.stdin.read().split())))", "passed"),
         ("import sys\nprint(sum(map(int, sys.stdin.buffer.read().split())))", "passed"),
-        # upstream's prelude `from builtins import *` binds the real open() before its mock_open patch, so
-        # open(0) reads the process's real (here empty) stdin
-        ("print(sum(map(int, open(0).read().split())))", "wrong_answer"),
         ("def main():\n    print(sum(map(int, input().split())))\n\nif __name__ == '__main__':\n    main()", "passed"),
         ("import sys\nprint(sum(map(int, input().split())))\nsys.exit(0)\nprint('unreachable')", "passed"),
         ("counter = []\ncounter.append(1)\nprint(sum(map(int, input().split())) * len(counter))", "passed"),
-        ("import sys\nfor line in sys.stdin:\n    print(sum(map(int, line.split())))", "runtime_error"),  # upstream
         ("print(sum(map(int, input().split())))\ninput()", "runtime_error"),  # EOFError
         ("import os\nos._exit(0)", "runtime_error"),  # gone before reporting
-        ("import os\nos.kill(os.getpid(), 9)", "sandbox_kill"),
-        ("import os\nwhile True:\n    os.write(1, b'x' * 65536)", "sandbox_kill"),  # output cap
+        ("import os\nos.kill(os.getpid(), 9)", "runtime_error"),  # upstream's reliability_guard: os.kill is None
+        ("import signal\nsignal.raise_signal(9)", "sandbox_kill"),
+        ("import os\nwhile True:\n    os.write(1, b'x' * 65536)", "timeout"),  # real stdout: not graded, not kept
         # hostile or odd output is judged, never crashes the grader
         ("input()\nprint('sNaN')", "wrong_answer"),  # a signalling NaN cannot be compared
         ("import os\nos.write(3, b'[' * 100000 + b'\\n')\ninput()", "runtime_error"),  # too deep to decode
@@ -286,6 +365,130 @@ STDIN = Cases(["1 2\n", "5 7\n"], ["3\n", "12\n"], None)
 )  # fmt: skip
 def test_stdin_semantics(code, outcome):
     assert grade.grade(code, STDIN).outcome == outcome
+
+
+def test_output_over_the_cap_is_a_sandbox_kill():
+    """A 40 MB output exceeds the sandbox's 32 MB cap (upstream has none: a deviation). A generous limit, so
+    that producing it on a busy machine cannot turn into a timeout first."""
+    s = grade.Settings(
+        workers=1, timeout_s=60, memory_mb=1024, allow_unisolated=grade._settings.allow_unisolated
+    )
+    assert grade.grade("print('x' * (40 << 20))", STDIN, s).outcome == "sandbox_kill"
+
+
+# --- every way of reading stdin, as upstream grades it ---------------------------------------------------------
+# LiveCodeBench/LiveCodeBench@28fef95, lcb_runner/evaluation/testing_util.py, `call_method`:
+#     inputs_line_iterator = iter(inputs.split("\n"))
+#     mock_stdin = MockStdinWithBuffer(inputs)
+#     @patch("builtins.open", mock_open(read_data=inputs))
+#     @patch("sys.stdin", mock_stdin)  # Use our custom mock instead of StringIO
+#     @patch("sys.stdin.readline", lambda *args: next(inputs_line_iterator))
+#     @patch("sys.stdin.readlines", lambda *args: inputs.split("\n"))
+#     @patch("sys.stdin.read", lambda *args: inputs)
+# The last three patch the real stdin object (entered first, before it is swapped), which a program bound
+# through `from sys import stdin` or the prelude's `from sys import *`. The real stdin is /dev/null (the grader
+# is a multiprocessing child), `reliability_guard()` has nulled os.kill, os.getcwd, quit, ... and blocked
+# `resource`, and argv is the runner's command line. Outcome = upstream's result (-2 wrong answer, -4 error)
+# from `evaluate_generations` on these programs and the bundled tests of lcbs_002 (Codeforces, Bracket Repair);
+# `test_stdin_forms_side_by_side_with_upstream` reproduces the column from an upstream checkout.
+
+SOLVE = (
+    "def solve(s):\n    open_ = need = 0\n    for ch in s:\n        if ch == '(':\n            open_ += 1\n"
+    "        elif open_:\n            open_ -= 1\n        else:\n            need += 1\n    return need + open_\n"
+)
+LOOP = "for _ in range(t):\n    print(solve({}.strip()))"
+FORMS = [  # (name, program after SOLVE, upstream's result, evalkit's outcome)
+    ("input()", "t = int(input())\n" + LOOP.format("input()"), True, "passed"),
+    ("sys.stdin.read", "import sys\nd = sys.stdin.read().split()\nfor s in d[1:]:\n    print(solve(s))", True, "passed"),
+    ("sys.stdin.readline", "import sys\nt = int(sys.stdin.readline())\n" + LOOP.format("sys.stdin.readline()"), True, "passed"),
+    ("sys.stdin.readlines", "import sys\nls = sys.stdin.readlines()\nfor s in ls[1:1 + int(ls[0])]:\n    print(solve(s.strip()))", True, "passed"),
+    ("sys.stdin.read().splitlines", "import sys\nls = sys.stdin.read().splitlines()\nfor s in ls[1:]:\n    print(solve(s))", True, "passed"),
+    ("sys.stdin.buffer.read", "import sys\nd = sys.stdin.buffer.read().split()\nfor s in d[1:]:\n    print(solve(s.decode()))", True, "passed"),
+    ("sys.stdin.buffer.readline", "import sys\nt = int(sys.stdin.buffer.readline())\n" + LOOP.format("sys.stdin.buffer.readline().decode()"), -2, "wrong_answer"),  # MockBuffer: always line 1
+    ("input = sys.stdin.readline", "import sys\ninput = sys.stdin.readline\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),
+    ("from sys import stdin; readline", "from sys import stdin\nt = int(stdin.readline())\n" + LOOP.format("stdin.readline()"), True, "passed"),
+    ("from sys import stdin; read", "from sys import stdin\nd = stdin.read().split()\nfor s in d[1:]:\n    print(solve(s))", True, "passed"),
+    ("from sys import stdin; readlines", "from sys import stdin\nls = stdin.readlines()\nfor s in ls[1:1 + int(ls[0])]:\n    print(solve(s.strip()))", True, "passed"),
+    ("from sys import stdin as f", "from sys import stdin as f\nt = int(f.readline())\n" + LOOP.format("f.readline()"), True, "passed"),
+    ("input = stdin.readline", "from sys import stdin\ninput = stdin.readline\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),
+    ("bare stdin (the prelude's)", "t = int(stdin.readline())\n" + LOOP.format("stdin.readline()"), True, "passed"),
+    ("bound stdin inside a def", "from sys import stdin\ndef main():\n    t = int(stdin.readline())\n    for _ in range(t):\n        print(solve(stdin.readline().strip()))\nmain()", True, "passed"),
+    ("import inside a def", "def main():\n    from sys import stdin\n    t = int(stdin.readline())\n    for _ in range(t):\n        print(solve(stdin.readline().strip()))\nmain()", True, "passed"),
+    ("iter(stdin.readline, '')", "from sys import stdin\nt = int(stdin.readline())\nfor s in iter(stdin.readline, ''):\n    if s.strip():\n        print(solve(s.strip()))", True, "passed"),
+    ("bound readline past the end", "from sys import stdin\nt = int(stdin.readline())\n" + LOOP.format("stdin.readline()") + "\nstdin.readline()\nstdin.readline()", -4, "runtime_error"),  # StopIteration
+    ("input() past the end", "t = int(input())\n" + LOOP.format("input()") + "\ninput()", -4, "runtime_error"),  # EOFError
+    ("sys.stdin.seek", "import sys\nsys.stdin.readline()\nsys.stdin.seek(0)\nt = int(sys.stdin.readline())\n" + LOOP.format("sys.stdin.readline()"), True, "passed"),
+    ("for line in sys.stdin", "import sys\nit = iter(sys.stdin)\nnext(it)\nfor s in it:\n    print(solve(s.strip()))", -4, "runtime_error"),  # not iterable
+    ("for line in bound stdin", "from sys import stdin\nls = [s for s in stdin]\nfor s in ls[1:]:\n    print(solve(s.strip()))", -2, "wrong_answer"),  # /dev/null
+    ("open(0)", "d = open(0).read().split()\nfor s in d[1:1 + int(d[0])]:\n    print(solve(s))", -4, "runtime_error"),  # the real open
+    ("builtins.open(0)", "import builtins\nd = builtins.open(0).read().split()\nfor s in d[1:]:\n    print(solve(s))", True, "passed"),  # mock_open
+    ("os.read(0)", "import os\nd = os.read(0, 1 << 20).split()\nfor s in d[1:1 + int(d[0])]:\n    print(solve(s.decode()))", -4, "runtime_error"),
+    ("BytesIO(os.read(0)) fast io", "import io, os\ninput = io.BytesIO(os.read(0, os.fstat(0).st_size)).readline\nt = int(input())\n" + LOOP.format("input().decode()"), -4, "runtime_error"),
+    ("fileinput.input()", "import fileinput\nls = [l for l in fileinput.input()]\nfor s in ls[1:]:\n    print(solve(s.strip()))", -2, "wrong_answer"),  # one mocked file per argv entry
+    ("exit() after the output", "t = int(input())\n" + LOOP.format("input()") + "\nexit()\nprint('unreachable')", True, "passed"),
+    ("sys.exit(0) after the output", "import sys\nt = int(input())\n" + LOOP.format("input()") + "\nsys.exit(0)", True, "passed"),
+    ("quit() after the output", "t = int(input())\n" + LOOP.format("input()") + "\nquit()", -4, "runtime_error"),  # guard: quit is None
+    ("debug print to stderr", "import sys\nt = int(input())\nfor _ in range(t):\n    s = input().strip()\n    print('debug', s, file=sys.stderr)\n    print(solve(s))", True, "passed"),
+    ("sys.stdout.write", "import sys\nt = int(input())\nsys.stdout.write(''.join(str(solve(input().strip())) + '\\n' for _ in range(t)))", True, "passed"),
+    ("bound stdout.write", "from sys import stdout\nt = int(input())\nstdout.write(''.join(str(solve(input().strip())) + '\\n' for _ in range(t)))", -2, "wrong_answer"),  # the real stdout
+    ("sys.stdout.buffer.write", "import sys\nt = int(input())\nsys.stdout.buffer.write(''.join(str(solve(input().strip())) + '\\n' for _ in range(t)).encode())", -4, "runtime_error"),  # StringIO
+    ("os.write(1)", "import os\nt = int(input())\nos.write(1, ''.join(str(solve(input().strip())) + '\\n' for _ in range(t)).encode())", -2, "wrong_answer"),
+    ("threading main", "import sys, threading\ndef main():\n    t = int(sys.stdin.readline())\n    for _ in range(t):\n        print(solve(sys.stdin.readline().strip()))\nthreading.stack_size(1 << 26)\nth = threading.Thread(target=main)\nth.start()\nth.join()", True, "passed"),
+    ("import resource", "import resource\nt = int(input())\n" + LOOP.format("input()"), -4, "compile_error"),  # guard
+    ("os.getcwd()", "import os\nos.getcwd()\nt = int(input())\n" + LOOP.format("input()"), -4, "runtime_error"),  # guard
+    ("import multiprocessing", "import multiprocessing\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),  # loaded before the guard
+    ("os.fork is None", "import os\nassert os.fork is None and os.system is None\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),
+    ("__main__ guard", "def main():\n    t = int(input())\n    for _ in range(t):\n        print(solve(input().strip()))\n\nif __name__ == '__main__':\n    main()", True, "passed"),
+    ("sys.argv", "import sys\nassert sys.argv[1:3] == ['--model', 'deepseek-ai/DeepSeek-R1']\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bracket_tests(loaded):
+    sample = next(s for s in loaded.samples if s.id == "lcbs_002")
+    assert sample.meta["platform"] == "codeforces"
+    return lcb.tests_of(sample.meta)
+
+
+def test_stdin_forms_as_upstream(bracket_tests):
+    """Every way of reading (and writing) that upstream passes passes here; every one it fails fails here,
+    with the same kind of failure (-2: wrong_answer, -4: a runtime or compile error)."""
+    graded = grade.grade_many([(SOLVE + code, bracket_tests) for _, code, _, _ in FORMS])
+    got = {name: g.outcome for (name, *_), g in zip(FORMS, graded)}
+    assert got == {name: outcome for name, _, _, outcome in FORMS}
+    kinds = {True: {"passed"}, -2: {"wrong_answer"}, -4: {"runtime_error", "compile_error"}}
+    assert all(outcome in kinds[upstream] for _, _, upstream, outcome in FORMS)
+
+
+UPSTREAM_ENV = "EVALKIT_LCB_UPSTREAM"  # a LiveCodeBench checkout at 28fef95 (never part of evalkit)
+
+
+@pytest.mark.slow
+def test_stdin_forms_side_by_side_with_upstream(bracket_tests, tmp_path):
+    """Runs upstream's own `evaluate_generations` (as the published runs did: a worker pool, one process per
+    program, the documented argv, stdin from /dev/null) on FORMS and checks the upstream column."""
+    checkout = os.environ.get(UPSTREAM_ENV)
+    if not checkout:
+        pytest.skip(f"set {UPSTREAM_ENV} to a LiveCodeBench checkout at 28fef95")
+    job = {
+        "inputs": bracket_tests.inputs,
+        "outputs": bracket_tests.outputs,
+        "codes": [SOLVE + c for _, c, _, _ in FORMS],
+    }
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    script = (
+        "import json, sys\nsys.path.insert(0, sys.argv[1])\n"
+        "from lcb_runner.evaluation.compute_code_generation_metrics import evaluate_generations\n"
+        "job = json.load(open(sys.argv[2]))\n"
+        "sample = {'input_output': json.dumps({'inputs': job['inputs'], 'outputs': job['outputs'], 'fn_name': None})}\n"
+        f"sys.argv = {driver.ARGV!r}\n"
+        "res, _ = evaluate_generations([sample], [job['codes']], num_process_evaluate=2, timeout=6)\n"
+        "print(json.dumps(res[0]))\n"
+    )  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", script, checkout, str(tmp_path / "job.json")], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, check=True, cwd=checkout).stdout  # fmt: skip
+    results = json.loads(out.strip().splitlines()[-1])
+    assert [True if all(x is True for x in r) else r[-1] for r in results] == [u for _, _, u, _ in FORMS]
 
 
 CALL = Cases(["[3,1,2]", "[5]"], ["[1, 3]", "[5, 5]"], "extremes")
@@ -298,9 +501,12 @@ CALL = Cases(["[3,1,2]", "[5]"], ["[1, 3]", "[5, 5]"], "extremes")
         ("class Solution:\n    def extremes(self, nums):\n        return min(nums), max(nums)", "passed"),  # tuple
         ("def extremes(nums):\n    return [min(nums), max(nums)]", "passed"),  # no class: module function
         ("class Solution:\n    def extremes(self, nums):\n        print('debug' * 1000)\n        return [min(nums), max(nums)]", "passed"),
+        ("import numpy as np\nclass Solution:\n    def extremes(self, nums):\n        return [np.int64(min(nums)), np.int64(max(nums))]", "passed"),  # numpy loaded before the guard, as upstream
         ("class Solution:\n    def extremes(self, nums):\n        return [[min(nums), max(nums)]]", "wrong_answer"),
         ("class Solution:\n    def extremes(self, nums):\n        return object()", "wrong_answer"),
         ("class Solution:\n    def extremes(self, nums):\n        import sys; sys.exit(0)", "runtime_error"),
+        ("class Solution:\n    def extremes(self, nums):\n        quit()", "runtime_error"),  # guard: quit is None
+        ("import resource\nclass Solution:\n    def extremes(self, nums):\n        return [min(nums), max(nums)]", "compile_error"),  # guard
         ("class Solution:\n    def other(self, nums):\n        return nums", "compile_error"),
         ("import sys\nsys.exit(1)", "compile_error"),
         ("class Solution:\n    def extremes(self, nums):\n        x = []\n        for _ in range(5000):\n            x = [x]\n        return x", "wrong_answer"),  # nested too deep for the host's decoder
@@ -311,15 +517,177 @@ def test_functional_semantics(code, outcome):
     assert grade.grade(code, CALL).outcome == outcome
 
 
-def test_refuses_without_network_isolation(monkeypatch):
-    monkeypatch.setattr(sandbox, "_probed", {**sandbox.isolation(), "network": None})
-    monkeypatch.setattr(grade, "_settings", grade.Settings(workers=1, timeout_s=1.0))
-    with pytest.raises(sandbox.SandboxError, match="allow_unisolated"):
-        grade.configure()
-    with pytest.raises(sandbox.SandboxError):
-        grade.grade_many([("print(1)", STDIN)])
+def test_refuses_without_isolation(monkeypatch):
+    for lacking in ({"network": None}, {"memory": None}):
+        monkeypatch.setattr(sandbox, "_probed", {**sandbox.isolation(), **lacking})
+        monkeypatch.setattr(grade, "_settings", grade.Settings(workers=1, timeout_s=1.0))
+        with pytest.raises(sandbox.SandboxError, match="allow_unisolated"):
+            grade.configure()
+        with pytest.raises(sandbox.SandboxError):
+            grade.grade_many([("print(1)", STDIN)])
     rec = grade.configure(workers=1, timeout_s=1.0, allow_unisolated=True)
-    assert rec["allow_unisolated"] is True and rec["isolation"]["network"] is None
+    assert rec["allow_unisolated"] is True and rec["isolation"]["memory"] is None
+    assert "no bound" in rec["memory_limit"]
+
+
+# --- settings (checked before the model loads) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"memory_mb": 0}, "memory_mb must be a positive integer"),
+        ({"memory_mb": -5}, "memory_mb"),
+        ({"memory_mb": 512.5}, "memory_mb"),
+        ({"memory_mb": True}, "memory_mb"),
+        ({"memory_mb": "4096"}, "memory_mb"),
+        ({"timeout_s": 0}, "timeout_s must be a positive number"),
+        ({"timeout_s": -1.0}, "timeout_s"),
+        ({"timeout_s": float("nan")}, "timeout_s"),
+        ({"timeout_s": float("inf")}, "timeout_s"),
+        ({"workers": -1}, "workers must be null"),
+        ({"workers": 0}, "workers"),
+        ({"workers": 2.0}, "workers"),
+        ({"allow_unisolated": "yes"}, "allow_unisolated must be true or false"),
+        ({"memroy_mb": 512}, r"unknown setting\(s\) \['memroy_mb'\]"),
+        ({"memory_mb": 4}, "cannot start in the sandbox with memory_mb=4"),  # far too little for Python
+    ],
+)
+def test_configure_rejects_bad_settings(setting, message):
+    before = grade._settings
+    with pytest.raises(ValueError, match=message):
+        grade.configure(**{**FAST, **setting})
+    assert grade._settings is before  # nothing half-applied
+
+
+def test_configure_records_the_memory_bound():
+    iso = sandbox.isolation()
+    rec = grade.configure(**FAST, allow_unisolated=bool(sandbox.missing_isolation(iso)))
+    assert rec["memory_limit"] == grade.MEMORY_LIMITS[iso["memory"]] and rec["isolation"] == iso
+    assert {k: rec[k] for k in FAST} == {**FAST, "timeout_s": 1.0}
+
+
+def test_tiny_timeout_scores_timeout_never_raises(bracket_tests):
+    """Even a limit no program can meet grades the candidate (timeout): start-up is not the candidate's."""
+    s = grade.Settings(
+        workers=1, timeout_s=1e-6, memory_mb=1024, allow_unisolated=grade._settings.allow_unisolated
+    )
+    code = SOLVE + FORMS[0][1]
+    assert grade.grade(code, bracket_tests, s).outcome == "timeout"
+    assert grade.grade(code, bracket_tests).outcome == "passed"  # the same program under FAST
+
+
+# --- large inputs ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import sys\nd = sys.stdin.read()\nprint(d.count('\\n') - 1)",
+        "import sys\nd = sys.stdin.buffer.read()\nprint(d.count(b'\\n') - 1)",
+        "import sys\ninput = sys.stdin.readline\nn = int(input())\nfor _ in range(n):\n    input()\nprint(n)",
+    ],
+    ids=["read", "buffer", "readline"],
+)
+def test_150_mb_input_fits_in_the_memory_limit(code):
+    """A 150 MB test under memory_mb=1024: the input reaches the program once as bytes and once as text
+    (the driver streamed it: before, it held the whole job as JSON, parsed, and copied again, MemoryError)."""
+    n = 1_500_000
+    text = f"{n}\n" + ("(" * 99 + "\n") * n
+    assert len(text) > 150_000_000
+    s = grade.Settings(
+        workers=1, timeout_s=120, memory_mb=1024, allow_unisolated=grade._settings.allow_unisolated
+    )
+    assert grade.grade(code, Cases([text], [str(n)], None), s).outcome == "passed"
+
+
+# --- many problems at once -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def counted_runs(monkeypatch):
+    """Every sandboxed grading run, and the most that ran at once."""
+    runs, live, peak, lock = [], [0], [0], threading.Lock()
+    real = grade.grade
+
+    def counting(code, tests, settings=None):
+        with lock:
+            runs.append(code)
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+        try:
+            return real(code, tests, settings)
+        finally:
+            with lock:
+                live[0] -= 1
+
+    monkeypatch.setattr(grade, "grade", counting)
+    monkeypatch.setattr(grade, "_memo", {})
+    return runs, peak
+
+
+def test_score_many_pools_problems_and_memoizes(loaded, counted_runs):
+    """One pool across problems (at most `workers` at once), results equal to scoring each problem alone,
+    and the runner's second pass over single predictions (per-repeat scores) runs nothing again."""
+    runs, peak = counted_runs
+    items = []
+    for s in loaded.samples:
+        sol = SOLUTIONS[s.id]
+        items.append(
+            ([fenced(sol["reference"])] + [fenced(c) for c in sol["wrong"].values()] + ["no code"], s)
+        )
+    pooled = lcb.score_many(items)
+    assert peak[0] == FAST["workers"] and len(runs) == sum(len(p) - 1 for p, _ in items)
+    alone = [lcb.score(p, s) for p, s in items]  # memoized: the same outcomes, nothing re-run
+    per_repeat = lcb.score_many([([p], s) for preds, s in items for p in preds])
+    assert alone == pooled and len(runs) == sum(len(p) - 1 for p, _ in items)
+    for (_, s), m in zip(items, pooled):
+        outcomes = ["passed", *SOLUTIONS[s.id]["wrong"], "no_code"]
+        assert m == lcb.metrics(outcomes, s.meta["difficulty"])
+    assert [m["pass@1"] for m in per_repeat] == [100.0 * (o == "passed") for p, s in items
+                                                  for o in ["passed", *SOLUTIONS[s.id]["wrong"], "no_code"]]  # fmt: skip
+
+
+def test_pool_decodes_each_problem_once_and_when_due(monkeypatch):
+    """One worker: the second problem's tests are decoded only after the first problem's first program ran
+    (at most workers + 1 problems held); a problem listed twice (the runner's per-repeat call) is decoded
+    once, a repeated program runs once, an empty one never."""
+    events = []
+
+    def loader(name):
+        def load():
+            events.append(("load", name))
+            return Cases(["1\n"], ["1\n"], None)
+
+        return load
+
+    monkeypatch.setattr(grade, "_memo", {})
+    monkeypatch.setattr(grade, "_settings", grade.Settings(workers=1))
+    monkeypatch.setattr(
+        grade, "grade", lambda code, tests, s=None: events.append(("run", code)) or grade.Graded("passed")
+    )
+    out = grade.grade_problems(
+        [("a", loader("a"), ["x", "y"]), ("b", loader("b"), ["z", ""]), ("a", loader("a2"), ["x"])]
+    )
+    assert [[g.outcome for g in r] for r in out] == [["passed", "passed"], ["passed", "no_code"], ["passed"]]
+    # b is decoded once a's last program is submitted (here: after x ran), while that one runs
+    assert events[:2] == [("load", "a"), ("run", "x")] and events[-1] == ("run", "z")
+    assert sorted(events[2:4]) == [("load", "b"), ("run", "y")] and len(events) == 5
+
+
+def test_memo_is_keyed_by_settings_and_tests(loaded, counted_runs):
+    runs, _ = counted_runs
+    s = next(x for x in loaded.samples if x.id == "lcbs_001")
+    pred = fenced(SOLUTIONS["lcbs_001"]["reference"])
+    lcb.score_many([([pred, pred], s)])  # the same program twice: run once
+    assert len(runs) == 1
+    grade.configure(**{**FAST, "timeout_s": 2.0}, allow_unisolated=grade._settings.allow_unisolated)
+    try:
+        lcb.score_many([([pred], s)])
+    finally:
+        grade.configure(**FAST, allow_unisolated=grade._settings.allow_unisolated)
+    other = type(s)(**{**s.__dict__, "meta": {**s.meta, "public_test_cases": "[]"}})  # other tests, same id
+    assert lcb.score_many([([pred], other)])[0]["pass@1"] == 100.0 and len(runs) == 3
 
 
 def test_lm_eval_hooks_round_trip(loaded):

@@ -1,10 +1,12 @@
-"""Sandbox bootstrap, run as `python -I -S _boot.py CONFIG_JSON` by `evalkit.sandbox` (stdlib only, no imports
-from evalkit: it runs before and outside the package).
+"""Sandbox bootstrap, run as `python -I -S /proc/self/fd/BOOT_FD CONFIG_FD BOOT_FD` by `evalkit.sandbox` (stdlib
+only, no imports from evalkit: it runs before and outside the package). Its source and its JSON configuration
+come on inherited file descriptors (memfds), so /proc/<pid>/cmdline of B and I shows neither host paths nor
+settings.
 
 Three processes: this bootstrap (B) enters new namespaces and builds the file-system view, forks the init (I,
-PID 1 of a new PID namespace), which forks the program (P). P drops to an unprivileged uid with rlimits and
-no_new_privs and execs the interpreter. When P exits, I exits and the kernel kills everything left in the PID
-namespace. B reports on the status pipe (JSON lines): the isolation it achieved, P's wait status, or an error.
+PID 1 of a new PID namespace), which joins the run's cgroup (if any) and forks the program (P). P drops to an
+unprivileged uid with rlimits, no_new_privs and a seccomp filter, and execs the interpreter. When P exits, I
+exits and the kernel kills everything left in the PID namespace. B reports on the status pipe (JSON lines): the isolation it achieved, P's wait status, or an error.
 B answers SIGTERM by killing I's process group; B is a subreaper, and after I it kills and reaps every orphan
 that came to it, so no process outlives the run and no zombie is left to PID 1.
 """
@@ -155,6 +157,9 @@ def _place(new: str, kind: str, path: str, target: str | None = None) -> None:
     if kind == "blank":  # a file inside a dir bound before
         _mount("/dev/null", dst, None, MS_BIND)
         return
+    if kind == "empty":  # a dir inside one bound before (the harness's own packages: code, task data)
+        _mount("tmpfs", dst, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0555")
+        return
     os.makedirs(os.path.dirname(dst), exist_ok=True)
     if kind == "link":
         os.symlink(target, dst)
@@ -203,13 +208,93 @@ def setup(cfg) -> dict:
             return failed
 
     got = {"user": "uid-drop" if os.geteuid() == 0 else None}
+    got["seccomp"] = want.get("seccomp", False) if strict else _seccomp_works()
     if os.geteuid() != 0:
         got["user"] = "userns" if step("user", _user_ns) else None
     got["network"] = "netns" if step("network", lambda c: _unshare(CLONE_NEWNET)) else None
     got["ipc"] = step("ipc", lambda c: _unshare(CLONE_NEWIPC | CLONE_NEWUTS))
     got["filesystem"] = step("filesystem", lambda c: _filesystem(c, want.get("filesystem")), "cwd-only")
-    got["pid"] = step("pid", lambda c: _unshare(CLONE_NEWPID))
+    got["pid"] = step("pid", lambda c: _unshare(CLONE_NEWPID))  # last: our next child is its PID 1
     return got
+
+
+def _seccomp_works() -> bool:
+    """Whether this kernel and architecture take our filter: a throwaway child installs it."""
+    if os.uname().machine not in SYSCALLS:
+        return False
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _c(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+            install_seccomp(no_fork=True)
+            os._exit(0)
+        finally:
+            os._exit(1)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+# --- seccomp (P) ------------------------------------------------------------------------------------------
+# A classic BPF filter, built here because Python has no seccomp module. It always refuses new namespaces
+# (unshare, setns, clone with a CLONE_NEW* flag): a nested user namespace would give the program capabilities
+# (mounts, more namespaces) over its own view. With `no_fork` it also refuses new processes (fork, vfork,
+# clone without CLONE_THREAD), so RLIMIT_AS bounds the whole program: threads share the one address space.
+# clone3 passes its flags in memory a filter cannot read: ENOSYS, and glibc falls back to clone.
+
+SECCOMP_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}  # AUDIT_ARCH_* of the native ABI
+SYSCALLS = {  # unshare, setns, clone, clone3, then the dedicated fork calls (aarch64 has none)
+    "x86_64": {"unshare": 272, "setns": 308, "clone": 56, "clone3": 435, "fork": 57, "vfork": 58},
+    "aarch64": {"unshare": 97, "setns": 268, "clone": 220, "clone3": 435},
+}
+X32_BIT = 0x40000000  # x86_64's x32 ABI numbers: refused wholesale (same calls, other numbers)
+CLONE_THREAD, CLONE_NEW_ANY = 0x00010000, 0x7E020000  # NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+RET_ALLOW, RET_ERRNO = 0x7FFF0000, 0x00050000
+LD_W_ABS, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF opcodes (class | size/op | source)
+
+
+class _Insn(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]  # fmt: skip
+
+
+class _Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_Insn))]
+
+
+def seccomp_program(machine: str, no_fork: bool) -> list[tuple[int, int, int, int]]:
+    """The filter as (code, jt, jf, k) instructions. seccomp_data: nr at offset 0, arch at 4, the low 32
+    bits of args[0] (clone's flags) at 16. Jumps are relative; `deny` and `allow` are the last two."""
+    nr, deny_nr = SYSCALLS[machine], ["unshare", "setns"] + (["fork", "vfork"] if no_fork else [])
+    deny_nr = [nr[name] for name in deny_nr if name in nr]
+    head = [(LD_W_ABS, 0, 0, 4), (JEQ, 1, 0, SECCOMP_ARCH[machine]), ("deny",), (LD_W_ABS, 0, 0, 0)]
+    if machine == "x86_64":
+        head.append((JGE, "deny", 0, X32_BIT))
+    head += [(JEQ, "deny", 0, n) for n in deny_nr]
+    head += [(JEQ, "nosys", 0, nr["clone3"]), (JEQ, 0, "allow", nr["clone"]), (LD_W_ABS, 0, 0, 16),
+             (JSET, "deny", 0, CLONE_NEW_ANY)]  # fmt: skip
+    if no_fork:
+        head.append((JSET, "allow", "deny", CLONE_THREAD))
+    tail = {"allow": (RET, 0, 0, RET_ALLOW), "deny": (RET, 0, 0, RET_ERRNO | errno.EPERM),
+            "nosys": (RET, 0, 0, RET_ERRNO | errno.ENOSYS)}  # fmt: skip
+    return _resolve(head, tail)
+
+
+def _resolve(head: list, tail: dict) -> list[tuple[int, int, int, int]]:
+    """Turn the symbolic targets of `head` ("deny", "allow", "nosys") into relative jumps to `tail`."""
+    body = [(RET, 0, 0, tail["deny"][3]) if ins == ("deny",) else ins for ins in head]
+    at = {name: len(body) + i for i, name in enumerate(tail)}
+    out = []
+    for i, (code, jt, jf, k) in enumerate(body):
+        jt, jf = (at[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf))
+        out.append((code, jt, jf, k))
+    return out + list(tail.values())
+
+
+def install_seccomp(no_fork: bool) -> None:
+    """Load the filter into this process (inherited by everything it execs or starts). Needs no_new_privs."""
+    insns = seccomp_program(os.uname().machine, no_fork)
+    array = (_Insn * len(insns))(*[_Insn(*i) for i in insns])
+    prog = _Prog(len(insns), array)
+    _c(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
 
 
 # --- the program (P) and the init (I) -------------------------------------------------------------------
@@ -243,9 +328,13 @@ def _program(cfg, got) -> None:
             # B made itself (so us) non-dumpable, which makes our /proc files root's: we could not write maps
             _c(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "dumpable")
             _user_ns(cfg)
-        if cfg["proc_fd"] is not None:  # no handle on the host's /proc reaches the program
-            os.close(cfg["proc_fd"])
+        for fd in (cfg["proc_fd"], cfg["cgroup_fd"]):  # no handle on the host's /proc or cgroups reaches it
+            if fd is not None:
+                os.close(fd)
         _c(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")  # setuid binaries stay unprivileged
+        if got["seccomp"]:
+            step = "seccomp"
+            install_seccomp(no_fork=cfg["no_fork"])
         step = f"exec {cfg['argv'][0]} as uid {os.getuid()}"  # EACCES: the interpreter is not reachable
         os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
     except BaseException as e:  # noqa: BLE001 - anything here is a sandbox failure, reported, never raised
@@ -264,6 +353,7 @@ def _init(cfg, got) -> None:
             _leave_host(got)
         elif got["pid"] and got["filesystem"] == "ro-root":
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # shows only this namespace
+        _join_cgroup(cfg)
         pid = os.fork()
         if pid == 0:
             try:
@@ -282,6 +372,26 @@ def _init(cfg, got) -> None:
     os._exit(0)
 
 
+def _join_cgroup(cfg) -> None:
+    """Move I (so P and everything P starts) into the run's cgroup, whose memory.max caps the whole program.
+    The host opened its cgroup.procs for us ("0" names the writer). A probe that cannot join says so and
+    falls back to forbidding fork; a run that was promised the cgroup fails instead."""
+    fd = cfg.pop("cgroup_fd", None)
+    cfg["cgroup_fd"] = None
+    if fd is None:
+        return
+    try:
+        os.write(fd, b"0")
+        _status(cfg["status_fd"], cgroup=True)
+    except OSError as e:
+        if cfg["mode"] == "run":
+            raise
+        _status(cfg["status_fd"], cgroup=False, cgroup_error=str(e))
+        cfg["no_fork"] = True
+    finally:
+        os.close(fd)
+
+
 def _leave_host(got) -> None:
     """In I, allow-list view: mount this PID namespace's /proc (without one, /proc stays empty: the host's
     would show the harness), detach the host's root for good and make the root read-only."""
@@ -293,7 +403,10 @@ def _leave_host(got) -> None:
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
+    with open(int(sys.argv[1]), encoding="utf-8") as f:  # the host's memfd; closed once read
+        cfg = json.load(f)
+    if len(sys.argv) > 2:  # the memfd this script was read from: the program must not inherit it
+        os.close(int(sys.argv[2]))
     # Orphans left after I exits come to B to be reaped: the machine's PID 1 may never reap them (and a
     # zombie still counts towards its uid's NPROC).
     _c(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")
@@ -315,6 +428,8 @@ def main() -> None:
             _init(cfg, got)
         finally:
             os._exit(0)
+    if cfg["cgroup_fd"] is not None:  # I's copy is the one that joins
+        os.close(cfg["cgroup_fd"])
     # Wait for I without reaping (WNOWAIT keeps its pid, hence its process group, reserved), kill what is
     # left in its group, then reap: the kill can never reach a recycled pid.
     while os.waitid(os.P_PID, init, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:

@@ -3,7 +3,10 @@ watchdog, killing and reaping. The public surface is in `evalkit.sandbox`."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
+import itertools
 import json
 import os
 import selectors
@@ -77,6 +80,21 @@ DEV_LINKS = (("/dev/fd", "/proc/self/fd"), ("/dev/stdin", "/proc/self/fd/0"),
 HIDE = ("/root", "~", "/tmp", "/var/tmp", "/run")
 
 
+# The harness's own top-level packages: their install location (the checkout, or site-packages of a wheel or
+# system install, which the view binds) holds its code and every task's data, expected outputs included.
+HARNESS_PACKAGES = ("evalkit", "tasks")
+
+
+def harness_dirs() -> list[str]:
+    """Where this harness's packages live (real paths), however it was installed."""
+    out = set()
+    for name in HARNESS_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            out.add(os.path.realpath(loc))
+    return sorted(out)
+
+
 def interpreter() -> str:
     """The executable to run programs with: sys.executable under its directory's real path, which is where the
     view binds it (a venv's python symlink itself stays, so that Python still finds its pyvenv.cfg)."""
@@ -92,8 +110,9 @@ def base_view() -> tuple[tuple[str, ...], ...]:
     prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)} | {os.path.dirname(interpreter())}
     binds = _outermost([p for p in SYSTEM if os.path.exists(p) and not os.path.islink(p)] + sorted(prefixes))
     devices = [("dev", p) for p in DEVICES if os.path.exists(p)]
-    return tuple(links + [("ro", p) for p in binds] + [("blank", p) for p in startup_hooks(binds)] + devices
-                 + [("link", p, t) for p, t in DEV_LINKS])  # fmt: skip
+    harness = [("empty", d) for d in harness_dirs() if any(_within(d, b) for b in binds)]
+    return tuple(links + [("ro", p) for p in binds] + [("blank", p) for p in startup_hooks(binds)] + harness
+                 + devices + [("link", p, t) for p, t in DEV_LINKS])  # fmt: skip
 
 
 def startup_hooks(binds: list[str]) -> list[str]:
@@ -120,7 +139,8 @@ def _outermost(paths: list[str]) -> list[str]:
 
 def hidden_dirs(keep: list[str]) -> list[tuple[str, list[str]]]:
     """(dir to overmount, the kept paths inside it) for each of HIDE that exists and holds no kept path
-    whole; nested HIDE entries are hidden with their parent."""
+    whole (nested HIDE entries are hidden with their parent), then each harness package dir, even inside a
+    kept path (a wheel in the venv): last, so that no kept path bound back over a HIDE dir re-exposes it."""
     dirs = {os.path.realpath(os.path.expanduser(d)) for d in HIDE}
     dirs = {d for d in dirs if d != "/" and os.path.isdir(d) and not any(_within(d, k) for k in keep)}
     out = []
@@ -130,21 +150,22 @@ def hidden_dirs(keep: list[str]) -> list[tuple[str, list[str]]]:
         inside = [k for k in keep if _within(k, d)]
         inside = [k for k in inside if not any(_within(k, o) for o in inside if o != k)]  # outermost only
         out.append((d, inside))
-    return out
+    return out + [(d, []) for d in harness_dirs() if os.path.isdir(d)]
 
 
 def _within(path: str, d: str) -> bool:
     return path == d or path.startswith(d + "/")
 
 
-def make_config(root: str, argv: list[str], *, uid, limits: dict, mode: str, require: dict | None) -> dict:
+def make_config(root: str, argv: list[str], *, uid, limits: dict, mode: str, require: dict | None,
+                no_fork: bool) -> dict:  # fmt: skip
     work = os.path.join(root, "work")
     keep = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, os.path.dirname(sys.executable), root)}
     keep = sorted(k for k in keep if os.path.isdir(k))
     env = {**ENV_KEEP, "HOME": work, "TMPDIR": work}
     view = [*base_view(), ("ro", root)]  # the program's files; inside, a fresh tmpfs covers work
     return {"mode": mode, "require": require, "root": root, "work": work, "uid": uid, "argv": argv,
-            "env": env, "view": view, "hide": hidden_dirs(keep), **limits}  # fmt: skip
+            "env": env, "view": view, "hide": hidden_dirs(keep), "no_fork": no_fork, **limits}  # fmt: skip
 
 
 def prepare_root(files: dict[str, str], uid: int | None) -> str:
@@ -162,31 +183,42 @@ def prepare_root(files: dict[str, str], uid: int | None) -> str:
     return root
 
 
-def spawn(cfg: dict) -> tuple[subprocess.Popen, int, int]:
-    """Start the bootstrap in its own session with an empty environment; returns (proc, status_r, events_r)."""
+def spawn(cfg: dict, cgroup_fd: int | None = None) -> tuple[subprocess.Popen, int, int]:
+    """Start the bootstrap in its own session with an empty environment; returns (proc, status_r, events_r).
+    Its source and configuration travel on memfds (argv names only their numbers): the program can read
+    the cmdline of its init, which must not show host paths or settings."""
     status_r, status_w = os.pipe()
     events_r, events_w = os.pipe()
-    cfg = {**cfg, "status_fd": status_w, "events_fd": events_w}
-    argv = [sys.executable, "-I", "-S", str(BOOT), json.dumps(cfg)]
+    cfg = {**cfg, "status_fd": status_w, "events_fd": events_w, "cgroup_fd": cgroup_fd}
+    boot, conf = _memfd("evalkit-boot", BOOT.read_bytes()), _memfd("evalkit-cfg", json.dumps(cfg).encode())
+    argv = [sys.executable, "-I", "-S", f"/proc/self/fd/{boot}", str(conf), str(boot)]
+    fds = (status_w, events_w, boot, conf) + ((cgroup_fd,) if cgroup_fd is not None else ())
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env={}, cwd=cfg["root"], pass_fds=(status_w, events_w),
-                                start_new_session=True)  # fmt: skip
+                                env={}, cwd=cfg["root"], pass_fds=fds, start_new_session=True)  # fmt: skip
     except BaseException:
         for fd in (status_r, events_r):
             os.close(fd)
         raise
     finally:
-        os.close(status_w)
-        os.close(events_w)
+        for fd in (status_w, events_w, boot, conf):
+            os.close(fd)
     return proc, status_r, events_r
 
 
-def pump(proc, status_r: int, events_r: int, stdin: bytes, *, timeout_s: float, output_limit: int,
-         on_event: Callable[[dict], bool] | None) -> Pumped:  # fmt: skip
-    """Feed stdin and read every pipe incrementally until all close or the run must stop. The deadline is
-    `timeout_s` from the start, re-armed by each event on fd 3. Output beyond `output_limit` bytes stops the
-    run: nothing is ever buffered past the cap."""
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def pump(proc, status_r: int, events_r: int, stdin: list[bytes], *, timeout_s: float, output_limit: int,
+         on_event: Callable[[dict], bool] | None, first_event_s: float | None = None) -> Pumped:  # fmt: skip
+    """Feed stdin (the buffers in order, never joined) and read every pipe incrementally until all close or
+    the run must stop. The deadline is `first_event_s` (default `timeout_s`) from the start, then `timeout_s`
+    from each event on fd 3. Output beyond `output_limit` bytes stops the run: nothing is ever buffered past
+    the cap."""
     out, sel = Pumped(), selectors.DefaultSelector()
     reads = {proc.stdout.fileno(): out.stdout, proc.stderr.fileno(): out.stderr,
              status_r: bytearray(), events_r: bytearray()}  # fmt: skip
@@ -194,7 +226,7 @@ def pump(proc, status_r: int, events_r: int, stdin: bytes, *, timeout_s: float, 
         os.set_blocking(fd, False)
         sel.register(fd, selectors.EVENT_READ)
     feeder = _Feeder(proc.stdin, stdin, sel)
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (timeout_s if first_event_s is None else first_event_s)
     try:
         while sel.get_map() and out.stopped is None:
             left = deadline - time.monotonic()
@@ -243,12 +275,15 @@ def _events(buf: bytearray, chunk: bytes, on_event, limit: int) -> tuple[str | N
 
 class _Feeder:
     """Writes stdin in non-blocking chunks as the program reads it (so a program that never reads cannot
-    block us); a program that closes its stdin early just gets no more."""
+    block us), from memoryviews of the caller's buffers: no copy of the input is made here. A program that
+    closes its stdin early just gets no more."""
 
-    def __init__(self, stream, data: bytes, sel) -> None:
-        self.stream, self.pending, self.sel = stream, memoryview(data), sel
+    def __init__(self, stream, buffers: list[bytes], sel) -> None:
+        self.stream, self.sel = stream, sel
+        self.buffers = (memoryview(b).cast("B") for b in buffers if len(b))
+        self.pending = next(self.buffers, None)
         self.fd = stream.fileno()
-        if self.pending:
+        if self.pending is not None:
             os.set_blocking(self.fd, False)
             sel.register(self.fd, selectors.EVENT_WRITE)
         else:
@@ -260,8 +295,10 @@ class _Feeder:
         except BlockingIOError:
             return
         except BrokenPipeError:
-            self.pending = self.pending[:0]
-        if not self.pending:
+            self.pending, self.buffers = None, iter(())
+        if self.pending is not None and not len(self.pending):
+            self.pending = next(self.buffers, None)
+        if self.pending is None:
             self.sel.unregister(self.fd)
             self.stream.close()
 
@@ -300,3 +337,91 @@ def reap(proc: subprocess.Popen, kill: bool) -> None:
 
 def cleanup(root: str) -> None:
     shutil.rmtree(root, ignore_errors=True)
+
+
+# --- cgroup v2: one memory.max for the whole program ----------------------------------------------------
+# RLIMIT_AS caps each process; a cgroup caps the sum (every process, thread, tmpfs page). Run cgroups are made
+# in $EVALKIT_SANDBOX_CGROUP, else next to (or under) this process's own cgroup where that directory hands
+# the memory controller to its children and we may write it. Elsewhere (cgroup v1 hosts, containers without
+# a delegated subtree) there is none, and the sandbox forbids fork instead (see _boot.install_seccomp).
+CGROUP_ENV = "EVALKIT_SANDBOX_CGROUP"
+_cgroup_runs = itertools.count()
+
+
+def cgroup_parent() -> str | None:
+    """The cgroup v2 directory run cgroups are created in, or None. An explicit $EVALKIT_SANDBOX_CGROUP that
+    cannot be used is an error, never a silent fallback."""
+    explicit = os.environ.get(CGROUP_ENV)
+    if explicit:
+        why = cgroup_unusable(explicit)
+        if why:
+            raise ValueError(f"${CGROUP_ENV}={explicit}: {why}")
+        return explicit
+    own = own_cgroup()
+    for d in [own, os.path.dirname(own)] if own else []:
+        if not cgroup_unusable(d):
+            return d
+    return None
+
+
+def cgroup_unusable(d: str) -> str:
+    """Why run cgroups cannot be made in `d` ("" when they can)."""
+    try:
+        with open(os.path.join(d, "cgroup.subtree_control")) as f:
+            controllers = f.read().split()
+    except OSError as e:
+        return f"not a cgroup v2 directory ({e.strerror})"
+    if "memory" not in controllers:
+        return "the memory controller is not enabled for its children (cgroup.subtree_control)"
+    if not os.access(d, os.W_OK):
+        return "not writable by this user"
+    return ""
+
+
+def own_cgroup() -> str | None:
+    """This process's cgroup v2 directory on this machine's cgroup2 mount, if any."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            rel = next((line.split("::", 1)[1].strip() for line in f if line.startswith("0::")), None)
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    for fields in mounts:
+        if rel is not None and fields[fields.index("-") + 1] == "cgroup2":
+            root, point = fields[3], fields[4]
+            if _within(rel, root) or root == "/":
+                return os.path.normpath(point + "/" + os.path.relpath(rel, root))
+    return None
+
+
+def make_cgroup(parent: str, memory_mb: int, nproc: int) -> tuple[str, int]:
+    """A fresh run cgroup: memory.max (and no swap), pids.max where the pids controller is on. Returns its
+    path and an open fd on its cgroup.procs, for the sandbox's init to join it."""
+    path = os.path.join(parent, f"evalkit-sbx-{os.getpid()}-{next(_cgroup_runs)}")
+    os.mkdir(path)
+    try:
+        for name, value in (("memory.max", memory_mb << 20), ("memory.swap.max", 0), ("pids.max", nproc)):
+            if name == "memory.max" or os.path.exists(os.path.join(path, name)):
+                with open(os.path.join(path, name), "w") as f:
+                    f.write(str(value))
+        return path, os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
+    except BaseException:
+        os.rmdir(path)
+        raise
+
+
+def remove_cgroup(path: str) -> bool:
+    """Remove a run cgroup once its processes are gone (killing stragglers); True if its OOM killer fired."""
+    oom = False
+    with contextlib.suppress(OSError), open(os.path.join(path, "memory.events")) as f:
+        oom = any(line.split()[0] == "oom_kill" and int(line.split()[1]) > 0 for line in f)
+    for _ in range(200):
+        try:
+            os.rmdir(path)
+            break
+        except OSError:
+            with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.kill"), "w") as f:
+                f.write("1")
+            time.sleep(0.01)
+    return oom

@@ -1,15 +1,20 @@
 """LiveCodeBench test driver. Runs INSIDE the sandbox as the program (`evalkit.sandbox.run_program`), never
 imported by evalkit: stdlib only.
 
-Reads {"code", "fn_name", "inputs"} as JSON on stdin, executes the candidate the way upstream
-`lcb_runner/evaluation/testing_util.py` does, and reports on fd 3 (JSON lines): `ready`, then `compiled` or
-`compile_error`, then one `test` event per input with the program's output (`out`) or its exception
-(`error`). The expected outputs never enter the sandbox: the grader compares outside and stops this process
-at the first failure, and times each step (upstream's per-test `signal.alarm`).
+Executes the candidate the way upstream `lcb_runner/evaluation/testing_util.py` (LiveCodeBench@28fef95) does
+in its grading process, and reports on fd 3 (JSON lines): `ready`, then `compiled` or `compile_error`, then
+one `test` event per input with the program's output (`out`) or its exception (`error`). The expected
+outputs never enter the sandbox: the grader compares outside, stops this process at the first failure and
+times each step (upstream's per-test `signal.alarm`).
+
+stdin carries one JSON header line {"code", "fn_name", "sizes"} and then the tests' inputs as raw UTF-8,
+back to back (`sizes[i]` bytes each). Each input is read when its test starts and decoded once: a 150 MB
+input is never held twice as text.
 """
 
 import ast
 import contextlib
+import importlib.util
 import json
 import os
 import sys
@@ -27,6 +32,20 @@ PRELUDE = (
     "import math\nimport random\nimport statistics\nimport itertools\nimport functools\nimport operator\n"
     "import io\nimport sys\nimport json\nsys.setrecursionlimit(50000)\n"
 )
+# Upstream grades in processes forked from the documented command (README; PR #71 for the R1 models), whose
+# argv they inherit: `fileinput.input()` opens each argument (through the mocked open) and sys.argv shows them.
+ARGV = ["lcb_runner/runner/main.py", "--model", "deepseek-ai/DeepSeek-R1", "--scenario", "codegeneration",
+        "--evaluate"]  # fmt: skip
+# What upstream's `reliability_guard()` disables before it compiles the candidate (set to None).
+GUARD = {
+    "builtins": ("quit", "help"),
+    "os": ("kill", "system", "putenv", "remove", "removedirs", "rmdir", "fchdir", "setuid", "fork", "forkpty",
+           "killpg", "rename", "renames", "truncate", "replace", "unlink", "fchmod", "fchown", "chmod", "chown",
+           "chroot", "lchflags", "lchmod", "lchown", "getcwd", "chdir"),
+    "shutil": ("rmtree", "move", "chown"),
+    "subprocess": ("Popen",),
+}  # fmt: skip
+GUARD_MODULES = ("ipdb", "joblib", "resource", "psutil", "tkinter")
 
 _events = None  # fd 3, opened by main()
 
@@ -34,6 +53,52 @@ _events = None  # fd 3, opened by main()
 def emit(**event) -> None:
     _events.write(json.dumps(event) + "\n")
     _events.flush()
+
+
+# --- the grading process, as upstream's ---------------------------------------------------------------------
+
+
+def as_upstream_process() -> None:
+    """The process state upstream's candidates meet. Its grader is a multiprocessing child, whose stdin is
+    /dev/null (`multiprocessing.util._close_stdin`); its stdout and stderr are not read (here they go to
+    /dev/null, so a chatty program cannot fill the sandbox's output cap); argv is the runner's."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 - as multiprocessing leaves it
+    sys.argv = list(ARGV)
+    sys.set_int_max_str_digits(50000)  # upstream sets it in the grading process
+
+
+# What upstream's grading process had imported before its guard ran (testing_util.py and
+# compute_code_generation_metrics.py import these): there a candidate's `import numpy` finds it loaded.
+# Imported after the guard they fail (numpy's import calls os.putenv, multiprocessing's os.getcwd).
+PRELOAD = ("numpy", "multiprocessing", "concurrent.futures")
+
+
+def preload() -> None:
+    """Import PRELOAD; one that is installed must load (a failure, e.g. too little memory, is the harness's:
+    the driver then never reports ready), one that is not is skipped, as it would be missing upstream too."""
+    for name in PRELOAD:
+        if importlib.util.find_spec(name.split(".")[0]) is not None:
+            __import__(name)
+
+
+def reliability_guard() -> None:
+    """Upstream's `reliability_guard()` (no memory limit: upstream never passes one): the same functions
+    become None, the same modules unimportable. The sandbox is the security; this is for equal outcomes."""
+    import builtins
+    import shutil
+    import subprocess
+
+    os.environ["OMP_NUM_THREADS"] = "1"  # before os.putenv is gone, as upstream
+    modules = {"builtins": builtins, "os": os, "shutil": shutil, "subprocess": subprocess}
+    for module, names in GUARD.items():
+        for name in names:
+            setattr(modules[module], name, None)
+    for name in GUARD_MODULES:
+        sys.modules[name] = None
 
 
 # --- stdin programs -----------------------------------------------------------------------------------------
@@ -65,51 +130,100 @@ def wrap_function(code: str) -> str:
     return PRELUDE + "\n" + ast.unparse(imports) + "\n" + ast.unparse(fn)
 
 
-class _Buffer:
-    """Upstream's `MockBuffer`: `read()` is the whole input, `readline()` always its first line."""
+class _Lines:
+    """`iter(text.split("\\n"))` without the list: the same strings (no newlines), then StopIteration."""
 
     def __init__(self, text: str) -> None:
-        self.data = text.encode("utf-8")
+        self.text, self.pos = text, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        if self.pos < 0:
+            raise StopIteration
+        end = self.text.find("\n", self.pos)
+        line = self.text[self.pos :] if end < 0 else self.text[self.pos : end]
+        self.pos = -1 if end < 0 else end + 1
+        return line
+
+
+class _Buffer:
+    """Upstream's `MockBuffer`: `read()` is the whole input as bytes, `readline()` always its first line."""
+
+    def __init__(self, data: bytes) -> None:
+        self.inputs = data
 
     def read(self, *args):
-        return self.data
+        return self.inputs
 
     def readline(self, *args):
-        return self.data.split(b"\n")[0] + b"\n"
+        end = self.inputs.find(b"\n")
+        return (self.inputs if end < 0 else self.inputs[:end]) + b"\n"
 
 
 class _Stdin:
-    """Upstream's `MockStdinWithBuffer`: `read`, `readline` (with its newline, "" at the end), `readlines`
-    (split on \\n, no newlines), `.buffer`, anything else from a StringIO. Like upstream it is not iterable:
-    `for line in sys.stdin` raises TypeError, a runtime error, and scores stay comparable."""
+    """Upstream's `MockStdinWithBuffer` (the `sys.stdin` a program sees): `read()` the whole input,
+    `readline()` the next line with its newline ("" at the end), `readlines()` split on \\n without newlines,
+    `.buffer`, anything else from a StringIO of the input. Like upstream it is not iterable. The StringIO
+    (4 bytes per character) is only made when something beyond a plain `readline()` needs it, at the same
+    position."""
 
-    def __init__(self, text: str) -> None:
-        self.text, self._io, self.buffer = text, StringIO(text), _Buffer(text)
+    def __init__(self, text: str, data: bytes | None) -> None:
+        self.inputs, self._pos, self._io = text, 0, None
+        self.buffer = _Buffer(text.encode("utf-8") if data is None else data)  # upstream encodes: may raise
 
     def read(self, *args):
-        return self.text
+        return self.inputs
 
     def readline(self, *args):
-        return self._io.readline(*args)
+        if args or self._io is not None:
+            return self.__getattr__("readline")(*args)
+        end = self.inputs.find("\n", self._pos)
+        end = len(self.inputs) if end < 0 else end + 1
+        line, self._pos = self.inputs[self._pos : end], end
+        return line
 
     def readlines(self, *args):
-        return self.text.split("\n")
+        return self.inputs.split("\n")
 
     def __getattr__(self, name):
+        if self._io is None:
+            self._io = StringIO(self.inputs)
+            self._io.seek(self._pos)
         return getattr(self._io, name)
 
 
-def run_stdin_test(fn, text: str) -> str:
-    """One call of the wrapped program with stdin and `open()` mocked; returns what it printed. SystemExit
-    ends the program normally (upstream swallows it)."""
+def _lazy_mock_open(text: str):
+    """`mock_open(read_data=text)`, made on the first call only: it copies the input into a StringIO, and
+    candidates rarely reach it (the prelude's `from builtins import *` binds the real open first)."""
+    made = []
+
+    def opener(*args, **kwargs):
+        if not made:
+            made.append(mock_open(read_data=text))
+        return made[0](*args, **kwargs)
+
+    return opener
+
+
+def run_stdin_test(fn, text: str, data: bytes | None) -> str:
+    """One call of the wrapped program under upstream's stacked patches (`call_method`), entered in its
+    order: `read`, `readlines`, `readline` patched on the real `sys.stdin` object (so a program that bound
+    it before, `from sys import stdin`, still reads the input; its `readline` returns lines without their
+    newline and raises StopIteration at the end), then `sys.stdin` swapped for the mock, then
+    `builtins.open`. Returns what it printed; SystemExit ends the program normally (upstream swallows it)."""
     captured, real_stdout = StringIO(), sys.stdout
-    # upstream's Capturing does this too (so a bare close() raises TypeError there as well)
-    captured.close = lambda x: 1
+    captured.close = lambda x: 1  # upstream's Capturing does this (so a bare close() raises TypeError there)
+    lines = _Lines(text)
     sys.stdout = captured
     try:
         with (
-            patch("builtins.open", mock_open(read_data=text)),
-            patch("sys.stdin", _Stdin(text)),
+            patch("sys.stdin.read", lambda *args: text),
+            patch("sys.stdin.readlines", lambda *args: text.split("\n")),
+            patch("sys.stdin.readline", lambda *args: next(lines)),
+            patch("sys.stdin", _Stdin(text, data)),
+            patch("builtins.open", _lazy_mock_open(text)),
             contextlib.suppress(SystemExit),
         ):
             fn()
@@ -154,31 +268,48 @@ def compile_candidate(code: str, fn_name: str | None):
     return getattr(holder, fn_name)
 
 
-def main() -> None:
-    global _events
-    _events = open(3, "w", encoding="utf-8", closefd=False)  # noqa: SIM115 - lives as long as the process
-    sys.set_int_max_str_digits(50000)  # upstream sets it in the grading process
-    job = json.loads(sys.stdin.read())
-    functional = job["fn_name"] is not None
-    if functional:  # its prints are never graded, and must not fill the output cap
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
-    emit(ev="ready")
+def read_input(job, size: int) -> tuple[str, bytes | None]:
+    """The next test's input: (text, its UTF-8 bytes), or bytes None when the text holds lone surrogates
+    (JSON allows them; upstream's MockBuffer then fails to encode it, and so does ours)."""
+    data = job.read(size)
+    if len(data) != size:
+        raise EOFError(f"test input truncated: {len(data)} of {size} bytes")
     try:
-        fn = compile_candidate(job["code"], job["fn_name"])
-    except BaseException as e:  # noqa: BLE001 - the candidate's failure is the result
-        emit(ev="compile_error", error=repr(e)[:1000])
-        return
-    emit(ev="compiled")
-    for i, text in enumerate(job["inputs"]):
+        return data.decode("utf-8"), data
+    except UnicodeDecodeError:
+        return data.decode("utf-8", "surrogatepass"), None
+
+
+def run_tests(fn, job, fn_name: str | None, sizes: list[int]) -> None:
+    for i, size in enumerate(sizes):
         try:
-            if functional:
+            text, data = read_input(job, size)
+            if fn_name is not None:
                 out = to_json(fn(*[json.loads(line) for line in text.split("\n")]))
             else:
-                out = run_stdin_test(fn, text)
+                out = run_stdin_test(fn, text, data)
         except BaseException as e:  # noqa: BLE001 - SystemExit/KeyboardInterrupt of a functional call too
             emit(ev="test", i=i, error=repr(e)[:1000])
             return
         emit(ev="test", i=i, out=out)
+
+
+def main() -> None:
+    global _events
+    _events = open(3, "w", encoding="utf-8", closefd=False)  # noqa: SIM115 - lives as long as the process
+    job = open(os.dup(0), "rb")  # noqa: SIM115 - the host's stream, off fd 0 (which becomes /dev/null)
+    header = json.loads(job.readline())
+    preload()  # while stderr still reaches the host: a failure here is reported there
+    as_upstream_process()
+    emit(ev="ready")
+    reliability_guard()
+    try:
+        fn = compile_candidate(header["code"], header["fn_name"])
+    except BaseException as e:  # noqa: BLE001 - the candidate's failure is the result
+        emit(ev="compile_error", error=repr(e)[:1000])
+        return
+    emit(ev="compiled")
+    run_tests(fn, job, header["fn_name"], header["sizes"])
 
 
 if __name__ == "__main__":

@@ -7,23 +7,33 @@ from its path as a second copy: `configure()` and every `score()` meet here, in 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from decimal import Decimal
+from numbers import Real
 from pathlib import Path
 
 from evalkit import sandbox
 
 OUTCOMES = ("passed", "wrong_answer", "timeout", "runtime_error", "compile_error", "no_code", "sandbox_kill")
 DRIVER = (Path(__file__).parent / "driver.py").read_text(encoding="utf-8")
+# Starting the interpreter and the driver is the harness's part, not the candidate's: it gets its own wall
+# and CPU allowance, so even a tiny timeout_s grades the candidate (as a timeout) instead of failing here.
+STARTUP_S, STARTUP_CPU_S = 60.0, 10.0
 
 
 @dataclass(frozen=True)
 class Settings:
     workers: int | None = None  # parallel sandboxes; None = os.cpu_count()
     timeout_s: float = 6.0  # per test, and for the compile step (upstream's default)
-    memory_mb: int = 4096  # RLIMIT_AS (upstream intends 4 GB but never applies it)
+    memory_mb: int = 4096  # the whole program (upstream intends 4 GB but never applies it)
     allow_unisolated: bool = False  # run even where sandbox.missing_isolation() objects
 
 
@@ -32,6 +42,12 @@ class Cases:
     inputs: list[str]
     outputs: list[str]
     fn_name: str | None  # None: a stdin program
+
+    @functools.cached_property
+    def encoded(self) -> list[bytes]:
+        """The inputs as the driver reads them, encoded once and shared by every run on these tests (lone
+        surrogates, which JSON allows, pass through and reach the driver as they were)."""
+        return [text.encode("utf-8", "surrogatepass") for text in self.inputs]
 
 
 @dataclass(frozen=True)
@@ -42,20 +58,64 @@ class Graded:
 _settings = Settings()
 
 
-def configure(workers=None, timeout_s=6.0, memory_mb=4096, allow_unisolated=False) -> dict:
-    """Set the sandbox settings for all later grading and check the machine can honour them: without
-    network isolation this raises unless `allow_unisolated`. Returns what the run should record (the
-    settings plus the detected isolation), e.g. into metrics.json."""
+def configure(workers=None, timeout_s=6.0, memory_mb=4096, allow_unisolated=False, **unknown) -> dict:
+    """Check and set the sandbox settings for all later grading; the runner calls this before the model
+    loads, so a bad setting fails before any generation. Raises ValueError for a bad value or when the
+    grader cannot start under these limits, SandboxError where isolation is missing (unless
+    `allow_unisolated`). Returns what the run records in metrics.json: the settings, the detected
+    isolation, and what bounds the program's memory (`memory_limit`)."""
     global _settings
-    _settings = Settings(workers, float(timeout_s), int(memory_mb), bool(allow_unisolated))
+    settings = _checked(workers, timeout_s, memory_mb, allow_unisolated, unknown)
     iso = sandbox.isolation()
     missing = sandbox.missing_isolation(iso)  # what run_program would refuse: refused here, before any run
-    if missing and not _settings.allow_unisolated:
+    if missing and not settings.allow_unisolated:
         raise sandbox.SandboxError(
             f"LiveCodeBench runs generated code and this machine gives {missing} ({iso}); "
             "set task.setup.allow_unisolated=true to run anyway (recorded in metrics.json)"
         )
-    return {**asdict(_settings), "isolation": iso}
+    _check_start(settings)
+    _settings = settings
+    return {**asdict(settings), "isolation": iso, "memory_limit": MEMORY_LIMITS[iso["memory"]]}
+
+
+MEMORY_LIMITS = {
+    "cgroup": "memory_mb for the whole program (cgroup v2 memory.max, no swap)",
+    "nofork": "memory_mb for the program's one process (RLIMIT_AS; fork refused by seccomp)",
+    None: "memory_mb per process only (RLIMIT_AS; no bound on the total: allow_unisolated)",
+}
+
+
+def _checked(workers, timeout_s, memory_mb, allow_unisolated, unknown: dict) -> Settings:
+    def number(v):
+        return isinstance(v, Real) and not isinstance(v, bool)
+
+    if unknown:
+        valid = sorted(Settings.__dataclass_fields__)
+        raise ValueError(f"unknown setting(s) {sorted(unknown)}: the valid ones are {valid}")
+    rules = (
+        ("workers", workers, workers is None or isinstance(workers, int) and not isinstance(workers, bool)
+         and workers >= 1, "null (one per CPU) or a positive integer"),
+        ("timeout_s", timeout_s, number(timeout_s) and 0 < timeout_s < math.inf, "a positive number of seconds"),
+        ("memory_mb", memory_mb, isinstance(memory_mb, int) and not isinstance(memory_mb, bool) and memory_mb > 0,
+         "a positive integer (MiB)"),
+        ("allow_unisolated", allow_unisolated, isinstance(allow_unisolated, bool), "true or false"),
+    )  # fmt: skip
+    for name, value, ok, rule in rules:
+        if not ok:
+            raise ValueError(f"{name} must be {rule}, got {value!r}")
+    return Settings(workers, float(timeout_s), memory_mb, allow_unisolated)
+
+
+def _check_start(s: Settings) -> None:
+    """The driver must start under these limits (too little memory for the interpreter would otherwise fail
+    every grading after the whole generation): one run of an empty program, no tests."""
+    judge = _Judge(Cases([], [], None))
+    res = _run_driver("pass", judge.tests, judge, s)
+    if judge.stage == "start":
+        raise ValueError(
+            f"the grader cannot start in the sandbox with memory_mb={s.memory_mb} ({res.status}: "
+            f"{(res.error or res.stderr).strip()[-300:]}); raise task.setup.memory_mb"
+        )
 
 
 # --- extraction and comparison (upstream rules) -----------------------------------------------------------
@@ -154,16 +214,21 @@ _UNJUDGED = {"timeout": "timeout", "output_limit": "sandbox_kill", "memory": "sa
              "killed": "sandbox_kill", "ok": "runtime_error", "runtime_error": "runtime_error"}  # fmt: skip
 
 
-def grade(code: str, tests: Cases) -> Graded:
+def _run_driver(code: str, tests: Cases, judge: _Judge, s: Settings) -> sandbox.RunResult:
+    """One sandboxed driver run: a JSON header line, then the raw inputs (streamed, never joined)."""
+    sizes = [len(b) for b in tests.encoded]
+    header = json.dumps({"code": code, "fn_name": tests.fn_name, "sizes": sizes}).encode() + b"\n"
+    return sandbox.run_program(DRIVER, [header, *tests.encoded], timeout_s=s.timeout_s, first_event_s=STARTUP_S,
+                               memory_mb=s.memory_mb, cpu_s=STARTUP_CPU_S + s.timeout_s * (len(sizes) + 1),
+                               on_event=judge, allow_unisolated=s.allow_unisolated)  # fmt: skip
+
+
+def grade(code: str, tests: Cases, settings: Settings | None = None) -> Graded:
     """Run one extracted program on all tests of its problem (stopping at the first failure)."""
     if not code:
         return Graded("no_code")
-    s = _settings
     judge = _Judge(tests)
-    job = json.dumps({"code": code, "fn_name": tests.fn_name, "inputs": tests.inputs})
-    res = sandbox.run_program(DRIVER, job, timeout_s=s.timeout_s, memory_mb=s.memory_mb,
-                              cpu_s=s.timeout_s * (len(tests.inputs) + 2), on_event=judge,
-                              allow_unisolated=s.allow_unisolated)  # fmt: skip
+    res = _run_driver(code, tests, judge, settings or _settings)
     if judge.outcome:
         return Graded(judge.outcome)
     if res.status == "sandbox_error" or judge.stage == "start":  # the candidate never ran: our failure
@@ -175,3 +240,63 @@ def grade_many(jobs: list[tuple[str, Cases]]) -> list[Graded]:
     """`grade` over (code, tests) pairs on the configured number of parallel sandboxes, in input order.
     Where isolation is missing, `sandbox.run_program` refuses before anything runs."""
     return sandbox.map_parallel(lambda job: grade(*job), jobs, _settings.workers)
+
+
+# --- many problems at once ----------------------------------------------------------------------------------
+# A problem is (key, load, codes): `key` names its tests (a digest), `load()` decodes them (hub tests reach
+# hundreds of MB: decoded once per call, when its first program is due, and dropped when its last is done).
+# Outcomes are memoized per process by (tests, code, timeout, memory), so the runner's second pass over
+# single predictions (per-repeat scores) re-runs nothing and always agrees with the first.
+
+Problem = tuple[str, Callable[[], Cases], list[str]]
+_memo: dict[tuple, Graded] = {}
+_memo_lock = threading.Lock()
+
+
+def grade_problems(problems: list[Problem]) -> list[list[Graded]]:
+    """Every code of every problem on one pool of `workers` sandboxes; results in input order."""
+    s = _settings
+    out: list[list[Graded | None]] = [[None] * len(codes) for _, _, codes in problems]
+    due: dict[str, tuple[Callable[[], Cases], dict[tuple, list[tuple[int, int]]]]] = {}
+    for i, (key, load, codes) in enumerate(problems):
+        for j, code in enumerate(codes):
+            digest = hashlib.sha256(code.encode("utf-8", "surrogatepass")).hexdigest()
+            mk = (key, digest, s.timeout_s, s.memory_mb)
+            with _memo_lock:
+                known = Graded("no_code") if not code else _memo.get(mk)
+            if known is not None:
+                out[i][j] = known
+            else:  # the same program twice (greedy repeats) runs once
+                due.setdefault(key, (load, {}))[1].setdefault((mk, code), []).append((i, j))
+    for (mk, code), graded in _pool(due.values(), s):
+        with _memo_lock:
+            _memo[mk] = graded
+        for i, j in due[mk[0]][1][mk, code]:
+            out[i][j] = graded
+    return out  # type: ignore[return-value]
+
+
+def _pool(problems, s: Settings) -> list[tuple[tuple, Graded]]:
+    """Grade the due programs, at most `workers` at a time; a problem's tests are decoded just before its
+    first program is submitted, so at most about `workers` problems' tests are held at once."""
+    workers = s.workers or os.cpu_count() or 1
+    free, failed, futures = threading.Semaphore(workers), threading.Event(), []
+
+    def done(fut) -> None:
+        if fut.exception() is not None:
+            failed.set()
+        free.release()
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="lcb-grade") as pool:
+        for load, jobs in problems:
+            if failed.is_set():
+                break
+            tests = load()
+            _ = tests.encoded  # encoded here, once, before the pool's threads share it
+            for job in jobs:
+                free.acquire()
+                fut = pool.submit(grade, job[1], tests, s)
+                fut.add_done_callback(done)
+                futures.append((job, fut))
+            del tests
+    return [(job, fut.result()) for job, fut in futures]

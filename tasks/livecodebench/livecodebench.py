@@ -6,17 +6,20 @@ picks shards as upstream's `version_tag` does (`release_vN` = shards 1..N, `vN` 
 A..B, `release_latest` all); `start_date <= contest_date <= end_date` then filters (the shards overlap at
 their edges). Prompt (generic chat style: system message + user text), extraction and grading follow
 LiveCodeBench/LiveCodeBench@28fef95 (`lcb_runner/prompts/code_generation.py`, `utils/extraction_utils.py`,
-`evaluation/testing_util.py`); see `grade.py` and `driver.py`.
+`evaluation/testing_util.py`); see `grade.py` and `driver.py`. The DeepSeek-R1 protocol (its own raw prompt
+style and date window) is `livecodebench_r1.py`, a module of its own so that each protocol has its VERSION.
 
-Generated programs run in `evalkit.sandbox`. The runner applies the `sandbox` settings of
-conf/task/livecodebench*.yaml with `configure(**setup)` before scoring and records the dict it returns
-(the settings and the detected isolation) in metrics.json; without network isolation it refuses unless
-`allow_unisolated`. Scoring grades a sample's k predictions in parallel; `score_many` pools many samples.
+Generated programs run in `evalkit.sandbox`. The runner applies the `setup` settings of
+conf/task/livecodebench*.yaml with `configure(**setup)` before the model loads and records the dict it
+returns (the settings, the detected isolation, what bounds memory) in metrics.json; without enough isolation
+it refuses unless `allow_unisolated`. `score_many` grades every prediction of many problems on one pool of
+sandboxes; outcomes are memoized per process, so scoring a prediction again runs nothing.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import io
 import json
@@ -28,11 +31,11 @@ from pathlib import Path
 
 from evalkit.sample import Sample, Skipped
 from evalkit.task import Loaded, data_file, keep_all, lm_eval_hooks, subsample, unique
-from tasks.livecodebench.grade import OUTCOMES, Cases, configure, extract_code, grade_many, pass_at_k
+from tasks.livecodebench.grade import OUTCOMES, Cases, configure, extract_code, grade_problems, pass_at_k
 
 TASK = "livecodebench"
-VERSION = 1  # bump when the prompt or data handling changes (the generations change)
-SCORER_VERSION = 1  # bump when extraction or scoring changes: finished runs re-score from their journals
+VERSION = 1  # what is generated: bump when this task's prompt or data handling changes
+SCORER_VERSION = 2  # how it is graded (2: upstream's stdin patches, guard and argv; whole-program memory cap)
 REPO = "livecodebench/code_generation_lite"
 # Not checked against the hub from here (unreachable): the dataset revision public LiveCodeBench pins record
 # (e.g. beside lcb_runner@28fef95 and test6.jsonl, 175 problems).
@@ -131,8 +134,16 @@ def tests_of(meta: dict) -> Cases:
     return Cases([c["input"] for c in cases], [c["output"] for c in cases], fn_name)
 
 
-def _parse(row: dict, i: int, date: datetime, max_new_tokens: int) -> Sample | Skipped:
-    """A row that `_rows` read (a JSON object with a contest date) -> Sample, or Skipped with the reason."""
+def generic_sample(qid: str, row: dict, meta: dict, max_new_tokens: int) -> Sample:
+    """The generic chat style: SYSTEM as the system message, `prompt` as the user turn."""
+    user = prompt(row["question_content"], row["starter_code"])
+    subset = f"{row['difficulty']}|{row['platform']}"
+    return Sample(qid, TASK, user, [], max_new_tokens, system=SYSTEM, subset=subset, meta=meta)
+
+
+def _parse(row: dict, i: int, date: datetime, max_new_tokens: int, make=generic_sample) -> Sample | Skipped:
+    """A row that `_rows` read (a JSON object with a contest date) -> Sample (built by `make`), or Skipped
+    with the reason."""
     qid = str(row.get("question_id") or f"row {i}")
     try:
         if row["difficulty"] not in DIFFICULTIES:
@@ -147,9 +158,7 @@ def _parse(row: dict, i: int, date: datetime, max_new_tokens: int) -> Sample | S
         tests_of(meta)  # malformed or unsafe tests are found here, at load, not mid-run
     except (KeyError, TypeError, ValueError, pickle.UnpicklingError, zlib.error) as e:
         return Skipped(qid, f"{type(e).__name__}: {e}")
-    user = prompt(row["question_content"], row["starter_code"])
-    subset = f"{row['difficulty']}|{row['platform']}"
-    return Sample(qid, TASK, user, [], max_new_tokens, system=SYSTEM, subset=subset, meta=meta)
+    return make(qid, row, meta, max_new_tokens)
 
 
 def _files(source: str, release: str) -> tuple[list[Path], str]:
@@ -165,8 +174,9 @@ def _day(value) -> datetime | None:
     return None if value in (None, "") else datetime.strptime(str(value), "%Y-%m-%d")
 
 
-def _rows(paths, start, end, max_new_tokens: int, digest, counts: dict):
-    """Parsed rows (Sample or Skipped) of the shard files inside the date window; the others are counted."""
+def _rows(paths, start, end, max_new_tokens: int, digest, counts: dict, make):
+    """Parsed rows (Sample or Skipped) of the shard files inside the date window; the others are counted.
+    The window compares datetimes as upstream does: `start <= contest_date <= end`, both days at midnight."""
     for path in paths:
         with open(path, "rb") as f:  # shards reach 1.25 GB: one row at a time
             for i, line in enumerate(f):
@@ -182,17 +192,17 @@ def _rows(paths, start, end, max_new_tokens: int, digest, counts: dict):
                 if (start and date < start) or (end and date > end):
                     counts["outside_window"] += 1
                     continue
-                yield _parse(row, i, date, max_new_tokens)
+                yield _parse(row, i, date, max_new_tokens, make)
 
 
 def load(source="sample", n=None, seed=0, release="release_v6", start_date=None, end_date=None,
-         max_new_tokens=2000, **_) -> Loaded:  # fmt: skip
+         max_new_tokens=2000, *, make=generic_sample, **_) -> Loaded:  # fmt: skip
     """Problems sorted by question_id (upstream's order). `release` selects hub shards or the shard files of
     a local directory (the bundled sample and a local file are read whole); the date window applies to all.
-    With n, a seeded random subset is kept in that order."""
+    With n, a seeded random subset is kept in that order. `make` builds each Sample (the prompt style)."""
     paths, tag = _files(source, release)
     digest, counts = hashlib.sha256(), {"outside_window": 0}
-    rows = _rows(paths, _day(start_date), _day(end_date), max_new_tokens, digest, counts)
+    rows = _rows(paths, _day(start_date), _day(end_date), max_new_tokens, digest, counts, make)
     samples, skipped = unique(rows, "question_id")
     samples = subsample(sorted(samples, key=lambda s: s.id), n, seed)
     stats = {"release": release if source != "sample" else None, "start_date": start_date, "end_date": end_date,
@@ -214,19 +224,24 @@ def metrics(outcomes: list[str], difficulty: str) -> dict[str, float]:
     return out
 
 
+def problem_key(sample: Sample) -> str:
+    """Names a problem's tests for the grading memo: a digest of the fields they are decoded from."""
+    h = hashlib.sha256()
+    for part in (sample.id, str(sample.meta["fn_name"]), sample.meta["public_test_cases"],
+                 sample.meta["private_test_cases"]):  # fmt: skip
+        h.update(part.encode("utf-8", "surrogatepass") + b"\0")
+    return h.hexdigest()
+
+
 def score_many(items: list[tuple[list[str], Sample]]) -> list[dict[str, float]]:
-    """`score` for many samples at once: every prediction of every sample shares one pool of sandboxes."""
+    """`score` for many samples at once: every prediction of every sample shares one pool of sandboxes
+    (`workers` at a time), each problem's tests decoded once, outcomes memoized per process."""
     if empty := [s.id for preds, s in items if not preds]:
         raise ValueError(f"no predictions to score for {empty[:5]}")
-    jobs = []
-    for preds, s in items:
-        tests = tests_of(s.meta)  # decoded once per problem (hub tests reach hundreds of MB), shared by its k
-        jobs += [(extract_code(p), tests) for p in preds]
-    graded = iter(grade_many(jobs))
-    out = []
-    for preds, s in items:
-        out.append(metrics([next(graded).outcome for _ in preds], s.meta["difficulty"]))
-    return out
+    problems = [(problem_key(s), functools.partial(tests_of, s.meta), [extract_code(p) for p in preds])
+                for preds, s in items]  # fmt: skip
+    graded = grade_problems(problems)
+    return [metrics([g.outcome for g in gs], s.meta["difficulty"]) for gs, (_, s) in zip(graded, items)]
 
 
 def score(predictions: list[str], sample: Sample) -> dict[str, float]:
