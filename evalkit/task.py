@@ -56,6 +56,35 @@ def data_file(source: str, sample: Path, repo: str, filename: str, revision: str
     return path, f"local:{path}"
 
 
+def read_json(path: Path):
+    """A JSON data file; an unreadable or malformed file is an error that names it (and where it broke)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def parse_rows(text: str, path: Path, array: bool) -> list[dict | Skipped]:
+    """Rows of a JSON array file (`array`) or of a JSON-lines file. A JSON-lines row that does not parse becomes
+    `Skipped("<file>:<line>", reason)`, reported with the others; a broken array file is an error naming it."""
+    if array:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    rows: list[dict | Skipped] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            rows.append(Skipped(f"{Path(path).name}:{number}", f"line {number} is not valid JSON ({e.msg})"))
+    return rows
+
+
 def unique(items: Iterable[Sample | Skipped], what: str = "id") -> tuple[list[Sample], list[Skipped]]:
     """Samples in input order, and the rows set aside: malformed ones and repeats of an id."""
     samples, skipped, seen = [], [], set()

@@ -220,3 +220,24 @@ def test_evalkit_scores_equal_lm_evals_process_results(tmp_path):
         assert row["scores"] == {k: s[k] for k in s["metrics"]} and row["id"] == s["doc"]["id"]
         assert len(row["repeat_scores"]) == 2
         assert row["scores"]["pass@1"] == sum(r["pass@1"] for r in row["repeat_scores"]) / 2
+
+
+def test_a_malformed_data_file_is_named_in_the_error(tmp_path, no_model):
+    essay = tmp_path / "PaulGrahamEssays.json"
+    essay.write_text('{"text": "an essay", oops}')
+    with pytest.raises(runner.DataError, match=f"{essay}: not valid JSON \\(line 1, column 22"):
+        run("model=tiny_llama", "task=ruler_paper", "task.load.n=1", "task.load.lengths=[1024]",
+            "task.load.tasks=[niah_single_2]", f"task.load.essay_path={essay}", results=tmp_path / "r")  # fmt: skip
+
+
+def test_an_unparsable_json_line_is_a_skipped_row_named_by_file_and_line(tmp_path):
+    from tasks.aime24.aime24 import load
+
+    rows = (ROOT / "tasks/aime24/data/sample.jsonl").read_text().splitlines()
+    data = tmp_path / "aime.jsonl"
+    data.write_text("\n".join([rows[0], '{"id": 99, "problem": "torn', *rows[1:]]) + "\n")
+    loaded = load(source=str(data))
+    assert [(s.id, s.reason) for s in loaded.skipped] == [
+        ("aime.jsonl:2", "line 2 is not valid JSON (Unterminated string starting at)")
+    ]
+    assert len(loaded.samples) == len(rows)

@@ -8,13 +8,21 @@ the k samples and cons@k their majority vote, as in the R1 paper.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from pathlib import Path
 
 from evalkit.sample import Sample, Skipped
-from evalkit.task import Loaded, data_file, keep_all, lm_eval_hooks, sha256_bytes, subsample, unique
+from evalkit.task import (
+    Loaded,
+    data_file,
+    keep_all,
+    lm_eval_hooks,
+    parse_rows,
+    sha256_bytes,
+    subsample,
+    unique,
+)
 
 VERSION = 1  # bump when the prompt or data handling changes (the generations change)
 SCORER_VERSION = 1  # bump when extraction or scoring changes: finished runs re-score from their journals
@@ -78,12 +86,7 @@ def _rows(path: Path) -> list:
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
-    return (
-        json.loads(text)
-        if path.suffix == ".json"
-        else [json.loads(x) for x in text.splitlines() if x.strip()]
-    )
+    return parse_rows(path.read_text(encoding="utf-8"), path, array=path.suffix == ".json")
 
 
 def _read(source: str) -> tuple[list, str, str]:
@@ -93,6 +96,8 @@ def _read(source: str) -> tuple[list, str, str]:
 
 def _parse(row, i: int) -> Sample | Skipped:
     """A row in either schema -> Sample; only id, problem and answer are required (solution/url are unused)."""
+    if isinstance(row, Skipped):  # a JSON-lines row that did not parse
+        return row
     if not isinstance(row, dict):
         return Skipped(f"row {i}", "row is not a JSON object")
     id_key, problem_key, answer_key = SCHEMAS["Problem" if "Problem" in row else "problem"]

@@ -8,13 +8,21 @@ easy/hard/short/medium/long table and the 0.25 "compensated" credit from `result
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import replace
 from pathlib import Path
 
 from evalkit.sample import Sample, Skipped
-from evalkit.task import Loaded, data_file, keep_all, lm_eval_hooks, sha256_bytes, subsample, unique
+from evalkit.task import (
+    Loaded,
+    data_file,
+    keep_all,
+    lm_eval_hooks,
+    parse_rows,
+    sha256_bytes,
+    subsample,
+    unique,
+)
 
 VERSION = 1  # bump when the prompt or data handling changes (the generations change)
 SCORER_VERSION = 1  # bump when extraction or scoring changes: finished runs re-score from their journals
@@ -85,6 +93,8 @@ def extract_answer(response: str) -> str | None:
 
 def _parse(row, i: int) -> Sample | Skipped:
     """Row i -> a Sample without its prompt yet (`meta["row"]` = i), or Skipped with the reason."""
+    if isinstance(row, Skipped):  # a JSON-lines row that did not parse
+        return row
     rid = row.get("_id") if isinstance(row, dict) and isinstance(row.get("_id"), str) else f"row {i}"
     if not isinstance(row, dict):
         return Skipped(rid, "row is not a JSON object")
@@ -108,11 +118,7 @@ def _read(source: str) -> tuple[list, str, str]:
     if source == "hub" and digest != DATA_SHA256:
         raise ValueError(f"{path}: sha256 {digest} is not the pinned data.json's {DATA_SHA256}")
     text = raw.decode("utf-8")  # data.json is one JSON array; a JSON-lines dump is accepted too
-    rows = (
-        json.loads(text)
-        if text.lstrip().startswith("[")
-        else [json.loads(x) for x in text.splitlines() if x.strip()]
-    )
+    rows = parse_rows(text, path, array=text.lstrip().startswith("["))
     return rows, tag, digest
 
 

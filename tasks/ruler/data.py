@@ -8,7 +8,6 @@ format; a missing file is an error naming the file and where it comes from, neve
 from __future__ import annotations
 
 import bisect
-import json
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -16,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import cache, cached_property
 from pathlib import Path
 
-from evalkit.task import sha256_bytes
+from evalkit.task import read_json, sha256_bytes
 
 # file name inside $EVALKIT_RULER_DATA (upstream's `scripts/data/synthetic/json/` names) and how to get it
 DATA_FILES = {
@@ -187,7 +186,7 @@ class RulerData:
 
     @cached_property
     def essay_words(self) -> list[str]:
-        text = json.loads(self.paths["essay"].read_text())["text"]
+        text = read_json(self.paths["essay"])["text"]
         return re.sub(r"\s+", " ", text).split(" ")
 
     def essay_sentences(self, num_words: int) -> list[str]:
@@ -207,11 +206,11 @@ class RulerData:
     @cached_property
     def english_words(self) -> list[str] | None:
         path = self.paths.get("english_words")
-        return list(json.loads(path.read_text()).values()) if path else None
+        return list(read_json(path).values()) if path else None
 
     def qa(self, dataset: str) -> tuple[list[dict], list[str]]:
         if dataset not in self._memo:
-            data = json.loads(self.paths[dataset].read_text())
+            data = read_json(self.paths[dataset])
             self._memo[dataset] = read_squad(data) if dataset == "squad" else read_hotpotqa(data)
         return self._memo[dataset]
 

@@ -47,8 +47,12 @@ def read(path: Path, n: int) -> list[Sample] | None:
     """The first n frozen samples, or None when the file is missing or holds fewer."""
     if not path.is_file():
         return None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
-    return [Sample(**r) for r in rows[:n]] if len(rows) >= n else None
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+        samples = [Sample(**r) for r in rows[:n]]
+    except (json.JSONDecodeError, TypeError):  # a damaged cache file: generated again, never half-read
+        return None
+    return samples if len(rows) >= n else None
 
 
 def write(path: Path, samples: list[Sample]) -> None:
