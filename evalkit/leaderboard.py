@@ -113,7 +113,10 @@ def _headline_records(runs: list[Run], pairings: dict) -> pd.DataFrame:
     # Two runs sharing every label (results trees merged by hand) are told apart by folder, never averaged.
     dup = df.duplicated(subset=WIDE_INDEX + ["budget"], keep=False)
     df.loc[dup, "settings"] = df.loc[dup, "settings"] + " (run " + df.loc[dup, "run"] + ")"
-    return df.astype({c: str for c in ("task_version", "scorer_version")})
+    # an older metrics.json lacks some labels: "-" keeps its row (groupby and pivot drop missing keys)
+    for c in WIDE_INDEX:
+        df[c] = [("-" if v is None or v != v else str(v)) for v in df[c]]
+    return df
 
 
 def wide_table(runs: list[Run], pairings: dict) -> pd.DataFrame:

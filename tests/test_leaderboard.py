@@ -152,3 +152,18 @@ def test_cli_missing_results_dir_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         leaderboard.main([str(tmp_path / "nope")])
     assert e.value.code == 2 and "no runs under" in capsys.readouterr().err
+
+
+def test_runs_from_the_current_runner_without_identity_or_scorer_version(tmp_path):
+    """metrics.json files written before `identity` and `scorer_version` existed: paired on an identity
+    derived from their config, and their rows kept (a missing label used to drop them from groupby)."""
+    old = {"identity": False, "scorer_version": None}
+    write_run(tmp_path, binary_rows(FULL), method="full", budget=None, **old)
+    write_run(tmp_path, binary_rows(SNAP), budget=256, **old)
+    write_run(tmp_path, binary_rows(FULL), budget=512, **old)
+    long, wide = read(tmp_path)
+    snap = wide[wide.method == "snapstream"].iloc[0]
+    assert (snap["full"], snap["256"], snap["512"]) == (100.0, 90.0, 100.0)
+    assert snap["256_vs_full"] == pytest.approx(-10.0) and pd.isna(snap["scorer_version"])
+    scored = long[(long.method == "snapstream") & (long.metric == "score")]
+    assert set(scored.paired_with) == {"ruler/smollm2_135m/full/none"}

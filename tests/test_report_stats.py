@@ -13,6 +13,7 @@ from evalkit.report.stats import (
     bootstrap_ci,
     bootstrap_means,
     compare,
+    lattice,
     mcnemar_exact,
     needed_problems,
     no_variation_ci,
@@ -45,25 +46,57 @@ def test_bootstrap_ci_matches_scipy_paired_bootstrap(kind):
         f, c = 25.0 * g.integers(0, 5, n), 25.0 * g.integers(0, 5, n)
     else:
         f, c = g.normal(60, 10, n), g.normal(58, 10, n)
-    lo, hi = bootstrap_ci(c - f, 0.95, 20_000, rng())
+    lo, hi, how = bootstrap_ci(c - f, 0.95, 20_000, rng())
+    assert how == ("bootstrap (20000 draws)" if kind == "continuous" else "bootstrap (exact)")
     slo, shi = scipy_paired_ci(c, f)
     width = shi - slo
     assert abs(lo - slo) < 0.04 * width and abs(hi - shi) < 0.04 * width, ((lo, hi), (slo, shi))
 
 
 def test_bootstrap_means_have_the_resampling_distribution_of_problems():
-    """Drawing counts per distinct value is the same distribution as drawing problems: mean d and SE
-    sd(d, ddof=0)/sqrt(n); a bug in the counts (e.g. probabilities not normalised) moves both."""
+    """Monte Carlo path: drawing counts per distinct value is the same distribution as drawing problems:
+    mean d and SE sd(d, ddof=0)/sqrt(n); a bug in the counts (e.g. unweighted values) moves both."""
     d = np.array([-100.0] * 7 + [0.0] * 40 + [100.0] * 3 + [25.0] * 10)
     means = bootstrap_means(d, 200_000, rng())
     assert means.mean() == pytest.approx(d.mean(), abs=0.05)
     assert means.std() == pytest.approx(d.std() / math.sqrt(len(d)), rel=0.01)
 
 
+def test_exact_bootstrap_equals_monte_carlo_on_the_same_lattice():
+    """The FFT convolution is the B = infinity limit of the Monte Carlo bootstrap: same quantiles."""
+    g = rng(11)
+    d = np.concatenate([g.choice([-100.0, -100 / 3, 0.0, 20.0, 100.0], 300), [-200 / 3] * 7])
+    lo, hi, _ = bootstrap_ci(d, 0.95, 1000, rng())
+    means = bootstrap_means(d, 400_000, rng())
+    mlo, mhi = np.quantile(means, [0.025, 0.975])
+    assert lo == pytest.approx(mlo, abs=0.25) and hi == pytest.approx(mhi, abs=0.25)
+
+
 def test_bootstrap_hand_cases():
     # d = [0, 100]: resampled means 0, 50, 100 with probabilities 1/4, 1/2, 1/4 -> 95% interval [0, 100]
-    assert bootstrap_ci(np.array([0.0, 100.0]), 0.95, 20_000, rng()) == (0.0, 100.0)
+    assert bootstrap_ci(np.array([0.0, 100.0]), 0.95, 20_000, rng())[:2] == (0.0, 100.0)
+    # d = [-100, 0, 0, 0]: K ~ Binomial(4, 1/4) draws of -100, mean -25 K. P(K >= 3) = 0.0508 >= 0.025 >
+    # P(K = 4) = 0.0039 -> lower -75; P(K = 0) = 0.316 > 0.025 -> upper 0
+    assert bootstrap_ci(np.array([-100.0, 0.0, 0.0, 0.0]), 0.95, 10, rng())[:2] == pytest.approx((-75.0, 0.0))
     assert bootstrap_ci(np.zeros(50), 0.95, 1000, rng()) is None  # collapsed: the exact bound takes over
+
+
+@pytest.mark.parametrize(
+    "values, step",
+    [
+        ([0.0, 100.0], 100.0),
+        ([0.0, 100 / 3, 100.0], 100 / 3),
+        ([-20.0, 10.0, 100 / 3], 10 / 3),
+        ([1.5625, 0.0], 1.5625),
+    ],
+)
+def test_lattice_steps(values, step):
+    got = lattice(np.array(values))
+    assert got[0] == pytest.approx(step) and np.allclose(got[0] * got[1], values)
+
+
+def test_off_lattice_values_are_not_forced_onto_one():
+    assert lattice(np.array([0.0, math.pi, 1.0])) is None  # 311/99 is 1.8e-5 off: no lattice
 
 
 def test_no_variation_bound_by_hand():
@@ -85,33 +118,45 @@ def test_mcnemar_equals_scipy_binomtest_everywhere_small():
 @pytest.mark.parametrize("m", [2, 3, 9, 14])
 def test_sign_flip_exact_equals_scipy_permutation_test(m):
     g = rng(m)
-    c, f = g.choice([0.0, 25.0, 50.0, 100.0], m), g.choice([0.0, 25.0, 50.0, 100.0], m)
+    c, f = g.choice([0.0, 25.0, 100 / 3, 50.0, 100.0], m), g.choice([0.0, 25.0, 50.0, 100.0], m)
     want = sps.permutation_test((c, f), lambda a, b, axis=-1: np.mean(a - b, axis=axis), vectorized=True,
                                 permutation_type="samples", n_resamples=np.inf).pvalue  # fmt: skip
-    assert sign_flip_pvalue(c - f, 10_000, 16, rng()) == pytest.approx(want, rel=1e-9)
+    assert sign_flip_pvalue(c - f, 10_000, rng()) == pytest.approx(want, rel=1e-9)
 
 
-def test_sign_flip_monte_carlo_agrees_with_scipy():
+def test_sign_flip_exact_agrees_with_scipy_monte_carlo_at_n120():
     g = rng(5)
     f = g.choice([0.0, 50.0, 100.0], 120)
     c = np.where(g.random(120) < 0.8, f, g.choice([0.0, 50.0, 100.0], 120))
     c[:6] = 0.0  # a real drop
     want = sps.permutation_test((c, f), lambda a, b, axis=-1: np.mean(a - b, axis=axis), vectorized=True,
                                 permutation_type="samples", n_resamples=50_000, rng=np.random.default_rng(2)).pvalue  # fmt: skip
-    got = sign_flip_pvalue(c - f, 50_000, 16, rng())
+    got = sign_flip_pvalue(c - f, 50_000, rng())  # exact (a lattice of 50 points)
     assert got == pytest.approx(want, abs=0.006)
 
 
+def test_sign_flip_monte_carlo_fallback_agrees_with_scipy():
+    g = rng(6)
+    c, f = g.normal(60, 10, 80), g.normal(57, 10, 80)  # continuous: off any lattice
+    want = sps.permutation_test((c, f), lambda a, b, axis=-1: np.mean(a - b, axis=axis), vectorized=True,
+                                permutation_type="samples", n_resamples=50_000, rng=np.random.default_rng(2)).pvalue  # fmt: skip
+    assert sign_flip_pvalue(c - f, 50_000, rng()) == pytest.approx(want, abs=0.004)
+
+
 def test_sign_flip_hand_cases():
-    assert sign_flip_pvalue(np.array([2.0, 1.0]), 100, 16, rng()) == 0.5  # |sum| >= 3: 2 of 4
-    assert sign_flip_pvalue(np.array([3.0, 1.0, 1.0]), 100, 16, rng()) == 0.25  # |sum| >= 5: 2 of 8
-    assert sign_flip_pvalue(np.array([5.0]), 100, 16, rng()) == 1.0
-    assert sign_flip_pvalue(np.zeros(7), 100, 16, rng()) == 1.0
+    assert sign_flip_pvalue(np.array([2.0, 1.0]), 100, rng()) == pytest.approx(0.5)  # |sum| >= 3: 2 of 4
+    assert sign_flip_pvalue(np.array([3.0, 1.0, 1.0]), 100, rng()) == pytest.approx(
+        0.25
+    )  # |sum| >= 5: 2 of 8
+    assert sign_flip_pvalue(np.array([5.0]), 100, rng()) == pytest.approx(1.0)
+    assert sign_flip_pvalue(np.zeros(7), 100, rng()) == 1.0
 
 
 def test_on_binary_data_sign_flip_is_mcnemar():
     d = np.array([100.0] * 3 + [-100.0] * 9 + [0.0] * 30)
-    assert sign_flip_pvalue(d, 100, 16, rng()) == pytest.approx(mcnemar_exact(9, 3))
+    assert sign_flip_pvalue(d, 100, rng()) == pytest.approx(mcnemar_exact(9, 3))
+    big = np.array([100.0] * 480 + [-100.0] * 530 + [0.0] * 38_000)  # RULER-sized: still exact
+    assert sign_flip_pvalue(big, 100, rng()) == pytest.approx(sps.binomtest(480, 1010, 0.5).pvalue, rel=1e-6)
 
 
 @pytest.mark.parametrize(

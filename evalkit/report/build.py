@@ -13,7 +13,7 @@ import pandas as pd
 
 from evalkit.memory.model import MemoryReportError
 from evalkit.report.budget import load_hardware, memory_row
-from evalkit.report.config import ReportSettings
+from evalkit.report.config import ReportConfigError, ReportSettings
 from evalkit.report.pairing import Pairing, PairingError, pair, partner
 from evalkit.report.runs import Run, RunError, load_runs, unfinished
 
@@ -52,12 +52,15 @@ def pair_all(runs: list[Run], settings: ReportSettings) -> tuple[list[Pairing], 
     for r in runs:
         if r.is_full:
             fulls[(r.model, r.task)].append(r)
-    pairings, problems = [], []
+    pairings, problems, read = [], [], {}
     for r in runs:
         if r.is_full:
             continue
         try:
-            pairings.append(pair(r, partner(r, fulls[(r.model, r.task)]), settings))
+            full = partner(r, fulls[(r.model, r.task)])
+            if full.rel not in read:
+                read[full.rel] = full.samples()
+            pairings.append(pair(r, full, settings, read[full.rel]))
         except (PairingError, RunError) as e:
             problems.append(str(e))
     return pairings, problems
@@ -74,6 +77,11 @@ def _memory(p: Pairing, hardware, settings: ReportSettings, problems: list[str])
 
 
 def build(settings: ReportSettings) -> Report:
+    if not (settings.results_dir / "runs").is_dir():
+        raise ReportConfigError(
+            f"no runs under {settings.results_dir / 'runs'}: run `make eval` (full and a budget) or "
+            "`make sweep SWEEP=report_ruler` first, or set results_dir"
+        )
     runs, bad_files = load_runs(settings.results_dir)
     pairings, problems = pair_all(runs, settings)
     problems = bad_files + problems

@@ -52,7 +52,6 @@ def from_dict(cfg: dict) -> ReportSettings:
         margin=_number(cfg, "margin", *positive),
         confidence=_number(cfg, "confidence", lambda v: 0 < v < 1, "in (0, 1)"),
         resamples=_number(cfg, "bootstrap.resamples", lambda v: v >= 100, "an integer >= 100", int),
-        exact_max=_number(cfg, "permutation.exact_max", lambda v: 0 <= v <= 20, "an integer in [0, 20]", int),
         power=_number(cfg, "power", lambda v: 0 < v < 1, "in (0, 1)"),
         min_problems=_number(cfg, "min_problems", lambda v: v >= 1, "an integer >= 1", int),
     )

@@ -171,9 +171,11 @@ def check_prompts(comp: Run, full: Run, c_rows: dict, f_rows: dict, ids: list[st
     return [f"{comp.rel}: {unchecked} samples without a prompt hash (not checked)"] if unchecked else []
 
 
-def pair(comp: Run, full: Run, settings) -> Pairing:
-    """Pair two runs sample by sample and compute every cell (headline, breakdowns, configured extras)."""
-    c_rows, f_rows = comp.samples(), full.samples()  # RunError for an empty or unreadable side
+def pair(comp: Run, full: Run, settings, full_rows: dict | None = None) -> Pairing:
+    """Pair two runs sample by sample and compute every cell (headline, breakdowns, configured extras).
+    `full_rows`: the full run's samples when already read (one full run serves every budget)."""
+    c_rows = comp.samples()  # RunError for an empty or unreadable side
+    f_rows = full.samples() if full_rows is None else full_rows
     ids = sorted(set(c_rows) & set(f_rows))
     if not ids:
         raise PairingError(f"{comp.rel} cannot be paired with {full.rel}: no sample id in common")
@@ -185,11 +187,12 @@ def pair(comp: Run, full: Run, settings) -> Pairing:
     s: StatSettings = settings.stats_for(comp.task)
     for key, (c, f, binary, left_out) in paired_values(c_rows, f_rows, ids, comp.headline,
                                                      settings.extras_for(comp.task)).items():  # fmt: skip
-        rng = np.random.default_rng([settings.seed, zlib.crc32(f"{comp.rel}|{key}".encode())])
-        p.cells[key] = compare(c, f, binary, s, rng) | {"left_out": left_out}
         if left_out:
             p.notes.append(f"{comp.rel}: {key}: {left_out} problems left out (repeat counts differ and the "
                            "metric is not a mean over repeats)")  # fmt: skip
+        if len(c):
+            rng = np.random.default_rng([settings.seed, zlib.crc32(f"{comp.rel}|{key}".encode())])
+            p.cells[key] = compare(c, f, binary, s, rng) | {"left_out": left_out}
     return p
 
 

@@ -194,6 +194,12 @@ def _save(fig, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _verdict_legend(ax) -> None:
+    """Legend entries for the markers: the same shape means the same verdict in both plots."""
+    for verdict, (marker, fill) in STYLE.items():
+        ax.plot([], [], "k" + marker, fillstyle=fill, ls="none", label=verdict)
+
+
 def forest(head: pd.DataFrame, title: str, path: Path) -> None:
     """Paired difference and CI against budget, one series per cache, the +-delta band shaded."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -213,9 +219,7 @@ def forest(head: pd.DataFrame, title: str, path: Path) -> None:
             marker, fill = STYLE[r.verdict]
             ax.plot(x, r.paired_diff, marker=marker, ms=8, color=color, fillstyle=fill, mec=color)
         ax.plot([], [], color=color, marker="o", label=_config(method, sett))
-    ax.plot([], [], "ko", fillstyle="full", label="non-inferior")
-    ax.plot([], [], "ko", fillstyle="none", label="inconclusive")
-    ax.plot([], [], "kX", label="worse")
+    _verdict_legend(ax)
     ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
     ax.set(
         xlabel="budget (KV entries per layer and KV head)", ylabel="compressed - full (points)", title=title
@@ -260,7 +264,8 @@ def pareto(head: pd.DataFrame, title: str, path: Path) -> None:
     ax.set(xlabel="KV cache per sequence (MiB, memory model)", ylabel=f"{head.metric.iloc[0]} (paired problems)",
            title=title)  # fmt: skip
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, title="filled: non-inferior", title_fontsize=8)
+    _verdict_legend(ax)
+    ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     _save(fig, path)
 
