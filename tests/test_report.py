@@ -316,3 +316,38 @@ def test_tensor_parallel_auto_is_the_largest_degree_dividing_sockets_and_heads()
     assert {n: deployment(spec, h, deploy).tp for n, h in hw.items()} == {"sn40l": 16, "h200": 8, "h100": 8}
     assert hw["h100"].hbm_bytes == round(79.6 * 2**30) and hw["h100"].hbm_bw == hw["h200"].hbm_bw * 3.35 / 4.8
     assert deployment(spec, hw["h200"], deploy | {"tp": 2}).tp == 2
+
+
+def test_no_runs_folder_is_a_clear_error(tmp_path):
+    from evalkit.report import ReportConfigError
+
+    with pytest.raises(
+        ReportConfigError, match=r"no runs under .*/runs: run `make eval` \(full and a budget\)"
+    ):
+        build(settings(results_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ({"deploy": {"tp": "auto"}}, "deploy.hardware must be a non-empty list"),
+        ({"margins": {"ruler": 0}}, "margins.ruler must be a positive number, got 0"),
+        ({"confidence": 1.0}, "confidence must be in (0, 1), got 1.0"),
+        (
+            {"bootstrap": {"resamples": 10, "seed": 0}},
+            "bootstrap.resamples must be an integer >= 100, got 10",
+        ),
+        ({"min_problems": 2.5}, "min_problems must be an integer, got 2.5"),
+    ],
+)
+def test_bad_settings_name_the_key(override, says):
+    from evalkit.report import ReportConfigError
+
+    with pytest.raises(ReportConfigError) as e:
+        settings(**override)
+    assert says in str(e.value)
+
+
+def test_per_task_margin_overrides_the_default():
+    s = settings(margins={"aime24": 5.0, "ruler": None})
+    assert s.stats_for("aime24").margin == 5.0 and s.stats_for("ruler").margin == 2.0

@@ -58,14 +58,16 @@ def from_dict(cfg: dict) -> ReportSettings:
     margins = {}
     for task, value in (cfg.get("margins") or {}).items():
         if value is not None:
-            margins[task] = _number({"m": value}, "m", *positive)
+            margins[task] = _number({"margins": {task: value}}, f"margins.{task}", *positive)
     metrics = cfg.get("metrics") or {}
     if not all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in metrics.values()):
         raise ReportConfigError(f"metrics must map a task to a list of metric names, got {metrics!r}")
-    hardware = cfg.get("hardware")
-    if not isinstance(hardware, list) or not hardware:
-        raise ReportConfigError(f"hardware must be a non-empty list of conf/hardware names, got {hardware!r}")
     deploy = dict(cfg.get("deploy") or {})
+    hardware = deploy.pop("hardware", None)  # under deploy: a top-level `hardware=` is Hydra's config group
+    if not isinstance(hardware, list) or not hardware:
+        raise ReportConfigError(
+            f"deploy.hardware must be a non-empty list of conf/hardware names, got {hardware!r}"
+        )
     if deploy.get("tp") != "auto" and not (isinstance(deploy.get("tp"), int) and deploy["tp"] > 0):
         raise ReportConfigError(f"deploy.tp must be 'auto' or a positive integer, got {deploy.get('tp')!r}")
     return ReportSettings(
