@@ -15,7 +15,7 @@ OVERRIDES := $(if $(TASK),task=$(TASK)) $(if $(MODEL),model=$(MODEL)) $(if $(MET
              $(if $(BUDGET),method.budget=$(BUDGET)) $(ARGS)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup eval sweep leaderboard memory-report bench test test-gpu test-slow lint format gpu-check clean
+.PHONY: help setup eval sweep leaderboard report memory-report bench test test-gpu test-slow lint format gpu-check clean
 
 help: ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -40,6 +40,9 @@ sweep: $(STAMP) ## Run a sweep config from conf/sweep: make sweep SWEEP=ruler_bu
 
 leaderboard: $(STAMP) ## Collect results/runs/**/metrics.json into results/leaderboard*.csv and plots
 	$(PY) -m evalkit.leaderboard $(ARGS)
+
+report: $(STAMP) ## Deployment report: compressed vs full on the same samples, verdicts, memory -> results/report/
+	$(PY) -m evalkit.report $(ARGS)
 
 memory-report: $(STAMP) ## Simulated SN40L memory/throughput report into results/memory/
 	$(PY) -m evalkit.memory $(ARGS)

@@ -1,0 +1,83 @@
+"""What a budget buys: the memory model (evalkit.memory) at the task's context length, method vs full.
+
+The context is the full run's longest request (`kv.peak_prompt_tokens` prompt, `kv.peak_seen_tokens` prompt +
+generated); cache slots follow evalkit's cache (`evalkit.memory.report.run_entries`: fixed-size methods hold
+`budget` slots even for a shorter prompt, snapkv keeps min(prompt, budget) and appends). Per hardware: the
+largest batch whose KV fits in HBM beside the weights, and the modelled decode tok/s at that batch.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from evalkit.config import CONF_DIR
+from evalkit.memory.model import MemoryReportError, ModelSpec, model_spec
+from evalkit.memory.report import run_entries
+from evalkit.memory.sim import Deployment, Hardware
+from evalkit.report.runs import Run
+
+
+def hardware_cfg(name: str) -> dict:
+    """conf/hardware/<name>.yaml with the files its `defaults` list names merged under it (h100 <- h200)."""
+    path = Path(CONF_DIR) / "hardware" / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise MemoryReportError(f"hardware: unknown {name!r} (known: {', '.join(known)})")
+    node = OmegaConf.load(path)
+    parents = [d for d in node.pop("defaults", []) if d != "_self_"]
+    merged = OmegaConf.merge(*[hardware_cfg(p) for p in parents], node) if parents else node
+    return OmegaConf.to_container(merged)
+
+
+def spec_of(run: Run, deploy: dict) -> ModelSpec:
+    """The run's model from its recorded HF config, stored in the deployment's dtypes."""
+    hf_config = run.metrics["model"].get("hf_config")
+    if not hf_config:
+        raise MemoryReportError(f"{run.rel}: metrics.json has no model.hf_config")
+    return model_spec(run.model, hf_config, deploy["weight_dtype"], deploy["kv_dtype"])
+
+
+def deployment(spec: ModelSpec, hw: Hardware, deploy: dict) -> Deployment:
+    """`spec` on `hw`; tp `auto` = the largest degree dividing both the sockets and the attention heads (the
+    memory report's default, tp = sockets, whenever that is legal)."""
+    tp = math.gcd(hw.sockets, spec.kv.heads) if deploy["tp"] == "auto" else int(deploy["tp"])
+    return Deployment(spec, hw, tp, deploy["attention"], float(deploy["mtp_factor"]))
+
+
+def context_of(full: Run) -> tuple[int, int]:
+    kv = full.metrics.get("kv") or {}
+    prompt, seen = kv.get("peak_prompt_tokens"), kv.get("peak_seen_tokens")
+    if not prompt or not seen:
+        raise MemoryReportError(f"{full.rel}: metrics.json has no kv.peak_prompt_tokens/peak_seen_tokens")
+    return int(prompt), int(seen)
+
+
+def _at_max_batch(dep: Deployment, entries: int) -> tuple[int, float]:
+    batch = dep.max_batch(entries)
+    return batch, dep.step(batch, entries)["tok_s"] if batch else 0.0
+
+
+def memory_row(comp: Run, full: Run, hardware: dict[str, Hardware], deploy: dict) -> dict:
+    """KV bytes per sequence (method and full), saving, and per hardware max batch and tok/s gain."""
+    prompt, seen = context_of(full)
+    spec = spec_of(full, deploy)
+    entries = run_entries(comp.method, comp.budget, prompt, seen)
+    per_entry = spec.kv.bytes_per_entry
+    row = {"context_tokens": seen, "kv_entries": entries, "kv_entries_full": seen,
+           "kv_bytes_seq": per_entry * entries, "kv_bytes_seq_full": per_entry * seen,
+           "memory_saving": 1 - entries / seen, "tp": {}}  # fmt: skip
+    for name, hw in hardware.items():
+        dep = deployment(spec, hw, deploy)
+        b, tok = _at_max_batch(dep, entries)
+        b_full, tok_full = _at_max_batch(dep, seen)
+        row |= {f"max_batch_{name}": b, f"max_batch_full_{name}": b_full,
+                f"tok_s_gain_{name}": tok / tok_full if tok_full else None}  # fmt: skip
+        row["tp"][name] = dep.tp
+    return row
+
+
+def load_hardware(names: list[str]) -> dict[str, Hardware]:
+    return {n: Hardware.from_cfg(hardware_cfg(n)) for n in names}

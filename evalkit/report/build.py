@@ -1,0 +1,187 @@
+"""Assembling the report: pair every compressed run, join the memory model, recommend budgets, list gaps.
+
+Every failure is local: a run that cannot be paired, an empty run or a memory model that cannot be built
+becomes a line under "Problems" naming the folder(s), and the rest of the report is still computed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from evalkit.memory.model import MemoryReportError
+from evalkit.report.budget import load_hardware, memory_row
+from evalkit.report.config import ReportConfigError, ReportSettings
+from evalkit.report.pairing import Pairing, PairingError, pair, partner
+from evalkit.report.runs import Run, RunError, load_runs, unfinished
+
+GROUP = ["model", "task", "method", "settings"]  # one configuration, apart from its budget
+
+
+@dataclass
+class Report:
+    settings: ReportSettings
+    runs: list[Run]
+    cells: pd.DataFrame  # one row per (compressed run, metric key)
+    problems: list[str] = field(default_factory=list)  # refused pairings, empty runs, bad files
+    notes: list[str] = field(default_factory=list)  # caveats that do not stop a pairing
+    missing: list[str] = field(default_factory=list)
+    by_task: list[dict] = field(default_factory=list)  # recommendation per (model, task, method, settings)
+    by_model: list[dict] = field(default_factory=list)  # per (model, method, settings), across tasks
+
+    @property
+    def headline(self) -> pd.DataFrame:
+        return self.cells[self.cells.is_headline] if len(self.cells) else self.cells
+
+
+def _cell_rows(p: Pairing, memory: dict) -> list[dict]:
+    comp = p.compressed
+    base = {"model": comp.model, "task": comp.task, "method": comp.method, "settings": comp.settings,
+            "budget": comp.budget, "run": comp.rel, "full_run": p.full.rel,
+            "only_compressed": len(p.only_compressed), "only_full": len(p.only_full),
+            "measured_compression": (comp.metrics.get("kv") or {}).get("compression_ratio")}  # fmt: skip
+    return [{**base, "metric": key, "is_headline": key == comp.headline, **cell, **memory}
+            for key, cell in sorted(p.cells.items())]  # fmt: skip
+
+
+def pair_all(runs: list[Run], settings: ReportSettings) -> tuple[list[Pairing], list[str]]:
+    """Every compressed run paired with its full run; problems say which could not be and why."""
+    fulls: dict[tuple, list[Run]] = defaultdict(list)
+    for r in runs:
+        if r.is_full:
+            fulls[(r.model, r.task)].append(r)
+    pairings, problems, read = [], [], {}
+    for r in runs:
+        if r.is_full:
+            continue
+        try:
+            full = partner(r, fulls[(r.model, r.task)])
+            if full.rel not in read:
+                read[full.rel] = full.samples()
+            pairings.append(pair(r, full, settings, read[full.rel]))
+        except (PairingError, RunError) as e:
+            problems.append(str(e))
+    return pairings, problems
+
+
+def _memory(p: Pairing, hardware, settings: ReportSettings, problems: list[str]) -> dict:
+    try:
+        row = memory_row(p.compressed, p.full, hardware, settings.deploy)
+    except (MemoryReportError, KeyError, TypeError) as e:
+        problems.append(f"{p.compressed.rel}: memory model not joined ({type(e).__name__}: {e})")
+        return {}
+    tp = row.pop("tp")
+    return row | {f"tp_{k}": v for k, v in tp.items()}
+
+
+def build(settings: ReportSettings) -> Report:
+    if not (settings.results_dir / "runs").is_dir():
+        raise ReportConfigError(
+            f"no runs under {settings.results_dir / 'runs'}: run `make eval` (full and a budget) or "
+            "`make sweep SWEEP=report_ruler` first, or set results_dir"
+        )
+    runs, bad_files = load_runs(settings.results_dir)
+    pairings, problems = pair_all(runs, settings)
+    problems = bad_files + problems
+    hardware = load_hardware(settings.hardware)
+    rows, notes = [], []
+    for p in pairings:
+        rows += _cell_rows(p, _memory(p, hardware, settings, problems))
+        notes += p.notes
+        if p.only_compressed or p.only_full:
+            notes.append(f"{p.compressed.rel} ~ {p.full.rel}: {len(p.only_compressed)} samples only in the "
+                         f"compressed run, {len(p.only_full)} only in the full run: left out of the paired "
+                         f"statistics (first: {(p.only_compressed + p.only_full)[:3]})")  # fmt: skip
+    cells = pd.DataFrame(rows)
+    if len(cells):
+        cells = cells.sort_values(GROUP + ["budget", "metric"]).reset_index(drop=True)
+    report = Report(settings, runs, cells, problems, notes)
+    report.missing = missing_cells(runs, settings) + unfinished(settings.results_dir)
+    report.by_task = recommend_tasks(report.headline)
+    report.by_model = recommend_models(report.headline, runs)
+    return report
+
+
+# --- recommendations -------------------------------------------------------------------------------
+# On the headline metric: the smallest non-inferior budget of a configuration, per task and across the
+# model's tasks. "No budget" always says what the evidence lacks (worse, or how many problems would decide).
+
+
+def _gains(row) -> dict:
+    return {k: row[k] for k in row.index if k.startswith("tok_s_gain_") or k == "memory_saving"}
+
+
+def _undecided(rows: pd.DataFrame) -> str:
+    """Why no budget qualifies, and for each inconclusive one how many paired problems would decide."""
+    inc = rows[rows.verdict == "inconclusive"]
+    if inc.empty:
+        return "every budget is worse than full" if len(rows) else "no paired budget"
+    need = [f"{int(r.budget)}: " + ("unknown" if pd.isna(r.n_needed) else f"~{int(r.n_needed)} (+{int(r.n_more)})")
+            for r in inc.itertuples()]  # fmt: skip
+    return "inconclusive; paired problems that would decide: " + ", ".join(need)
+
+
+def recommend_tasks(head: pd.DataFrame) -> list[dict]:
+    out = []
+    if head.empty:
+        return out
+    for key, rows in head.groupby(GROUP, sort=True):
+        rows = rows.sort_values("budget")
+        ok = rows[rows.verdict == "non-inferior"]
+        rec = dict(zip(GROUP, key)) | {"budgets": [int(b) for b in rows.budget]}
+        if len(ok):
+            best = ok.iloc[0]
+            rec |= {"budget": int(best.budget), "diff": best.paired_diff, "ci": (best.ci_low, best.ci_high),
+                    **_gains(best), "status": "non-inferior"}  # fmt: skip
+        else:
+            rec |= {"budget": None, "status": _undecided(rows)}
+        out.append(rec)
+    return out
+
+
+def recommend_models(head: pd.DataFrame, runs: list[Run]) -> list[dict]:
+    """Smallest budget non-inferior on every task the model was evaluated on (a task without that budget,
+    or without a pairable run, disqualifies it: 'evaluated on every task' is checked, never assumed)."""
+    out = []
+    if head.empty:
+        return out
+    tasks = defaultdict(set)
+    for r in runs:
+        tasks[r.model].add(r.task)
+    for (model, method, settings), rows in head.groupby(["model", "method", "settings"], sort=True):
+        verdicts = {(t, int(b)): v for t, b, v in zip(rows.task, rows.budget, rows.verdict)}
+        rec = {"model": model, "method": method, "settings": settings, "tasks": sorted(tasks[model])}
+        for budget in sorted({b for _, b in verdicts}):
+            short = [t for t in rec["tasks"] if verdicts.get((t, budget)) != "non-inferior"]
+            if not short:
+                rec |= {"budget": budget, "status": "non-inferior on every task"}
+                break
+            rec.setdefault("blockers", {})[budget] = {t: verdicts.get((t, budget), "missing") for t in short}
+        else:
+            rec |= {"budget": None, "status": "no budget is non-inferior on every task"}
+        out.append(rec)
+    return out
+
+
+def missing_cells(runs: list[Run], settings: ReportSettings) -> list[str]:
+    """Cells a complete sweep would have: per model, every task seen (or expected) x every (method,
+    settings, budget) seen on any of its tasks (or expected), and a full run per task."""
+    out = []
+    for model in sorted({r.model for r in runs}):
+        mine = [r for r in runs if r.model == model]
+        tasks = sorted({r.task for r in mine} | set(settings.expect.get("tasks", [])))
+        present = {(r.task, r.method, r.settings, r.budget) for r in mine}
+        configs = {(r.method, r.settings, r.budget) for r in mine if not r.is_full}
+        for method in settings.expect.get("methods", []):
+            budgets = [None] if method == "full" else settings.expect.get("budgets", [])
+            configs |= {(method, "default", b) for b in budgets if method != "full"}
+        for task in tasks:
+            if not any(r.task == task and r.is_full for r in mine):
+                out.append(f"{task}/{model}/full: missing (no full run: nothing on this task can be paired)")
+            for method, sett, budget in sorted(configs, key=lambda c: (c[0], c[1], c[2] or 0)):
+                if (task, method, sett, budget) not in present:
+                    tag = f"{budget}" + ("" if sett == "default" else f"-{sett}")
+                    out.append(f"{task}/{model}/{method}/{tag}: missing")
+    return out

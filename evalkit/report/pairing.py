@@ -1,0 +1,199 @@
+"""Pairing a compressed run with the `full` run that generated from the same prompts, sample by sample.
+
+The partner is the full run of the same model and task whose generation identity (model, task, task
+version, data hash, generation settings, repeats, limit, seed, max_new_tokens) is equal and whose scoring
+identity is equal. Anything else is refused with both folders named and the field that differs. Samples are
+paired on their id (and the repeat index within one); a prompt hash that differs refuses the pair, samples
+on one side only are counted and left out.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from evalkit.report.runs import Run, RunError
+from evalkit.report.stats import StatSettings, compare
+
+
+class PairingError(ValueError):
+    """Two runs that must not be compared; the message names both folders and what differs."""
+
+
+# (label, getter) pairs compared to say why two runs' identities differ
+def _cfg(*path):
+    def get(run: Run):
+        node = run.config
+        for p in path:
+            node = node.get(p) if isinstance(node, dict) else None
+        return node
+
+    return get
+
+
+GENERATION_FIELDS = [
+    ("task_version", lambda r: r.metrics.get("task_version")),
+    ("data source", lambda r: (r.metrics.get("data") or {}).get("source")),
+    ("data hash", lambda r: (r.metrics.get("data") or {}).get("hash")),
+    ("model source", lambda r: r.metrics["model"].get("source")),
+    ("task.load", _cfg("task", "load")),
+    ("task.generation", _cfg("task", "generation")),
+    ("task.repeats", _cfg("task", "repeats")),
+    ("limit", _cfg("limit")),
+    ("seed", _cfg("seed")),
+    ("model.max_new_tokens", _cfg("model", "max_new_tokens")),
+]
+SCORING_FIELDS = [
+    ("scorer_version", lambda r: r.metrics.get("scorer_version")),
+    ("task.setup", _cfg("task", "setup")),
+]
+
+
+def differences(a: Run, b: Run, fields, key: str) -> str:
+    diffs = [f"{label} {get(a)!r} vs {get(b)!r}" for label, get in fields if get(a) != get(b)]
+    return ", ".join(diffs) or f"identity.{key} {a.identity[key]} vs {b.identity[key]}"
+
+
+def partner(run: Run, fulls: list[Run]) -> Run:
+    """The one full run `run` can be compared with, or PairingError saying why there is none."""
+    if not fulls:
+        raise PairingError(
+            f"{run.rel}: no `full` run of model {run.model} on task {run.task}: run "
+            f"`make eval TASK={run.task} MODEL={run.model} METHOD=full` with the same task settings"
+        )
+    gid = run.identity["generation"]
+    if gid is None:
+        raise PairingError(f"{run.rel}: metrics.json has neither `identity` nor `provenance.config`")
+    same = [f for f in fulls if f.identity["generation"] == gid]
+    if not same:
+        raise PairingError("; ".join(
+            f"{run.rel} cannot be paired with {f.rel}: {differences(run, f, GENERATION_FIELDS, 'generation')}"
+            for f in fulls
+        ))  # fmt: skip
+    if len(same) > 1:
+        raise PairingError(
+            f"{run.rel}: several full runs share its generation identity: {[f.rel for f in same]}"
+        )
+    full = same[0]
+    if full.identity["scoring"] != run.identity["scoring"]:
+        why = differences(run, full, SCORING_FIELDS, "scoring")
+        raise PairingError(f"{run.rel} cannot be paired with {full.rel}: scored differently ({why})")
+    return full
+
+
+def _repeats(row: dict) -> int:
+    return len(row.get("predictions") or row.get("repeat_scores") or [None])
+
+
+def keyed(scores: dict, subset: str, headline: str) -> dict:
+    """A sample's scores plus the crossed breakdown `<metric>/<a>@<b>` for a two-part subset `a|b` whose
+    parts are both breakdown keys (LongBench-v2 easy@short ...; RULER already reports task@length)."""
+    out = dict(scores)
+    parts = (subset or "").split("|")
+    if len(parts) == 2 and all(f"{headline}/{p}" in scores for p in parts):
+        out.setdefault(f"{headline}/{parts[0]}@{parts[1]}", scores.get(headline))
+    return out
+
+
+def _repeat_mean(row: dict, key: str, headline: str, upto: int) -> float | None:
+    """The mean of `key` over the first `upto` repeats, when `key` is a mean over repeats (its value over
+    all repeats equals the mean of its per-repeat values: pass@1 yes, cons@k no); else None."""
+    reps = [keyed(r, row.get("subset", ""), headline) for r in row.get("repeat_scores") or []]
+    if not reps or any(key not in r or r[key] is None for r in reps):
+        return None
+    whole = keyed(row["scores"], row.get("subset", ""), headline).get(key)
+    if whole is None or not np.isclose(np.mean([r[key] for r in reps]), whole):
+        return None
+    return float(np.mean([r[key] for r in reps[:upto]]))
+
+
+@dataclass
+class Pairing:
+    compressed: Run
+    full: Run
+    only_compressed: list[str]
+    only_full: list[str]
+    cells: dict[str, dict] = field(default_factory=dict)  # metric key -> stats.compare() output
+    notes: list[str] = field(default_factory=list)
+
+
+def wanted(key: str, headline: str, extras: list[str]) -> bool:
+    return any(key == m or key.startswith(m + "/") for m in [headline, *extras])
+
+
+def paired_values(comp: dict, full: dict, ids: list[str], headline: str, extras: list[str]):
+    """{key: (compressed values, full values, binary, problems left out)} over the shared sample ids."""
+    out: dict[str, list] = {}
+    for sid in ids:
+        c, f = comp[sid], full[sid]
+        cs, fs = (
+            keyed(c["scores"], c.get("subset", ""), headline),
+            keyed(f["scores"], f.get("subset", ""), headline),
+        )
+        kc, kf = _repeats(c), _repeats(f)
+        for key in sorted(set(cs) & set(fs)):
+            if not wanted(key, headline, extras) or cs[key] is None or fs[key] is None:
+                continue
+            cell = out.setdefault(key, [[], [], kc == kf == 1, 0])
+            if kc != kf:  # repeats paired by index: only those both sides have
+                cv, fv = (
+                    _repeat_mean(c, key, headline, min(kc, kf)),
+                    _repeat_mean(f, key, headline, min(kc, kf)),
+                )
+                cell[2] = False
+                if cv is None or fv is None:
+                    cell[3] += 1
+                    continue
+            else:
+                cv, fv = float(cs[key]), float(fs[key])
+            cell[0].append(cv)
+            cell[1].append(fv)
+    result = {}
+    for key, (cv, fv, k1, left_out) in out.items():
+        c_arr, f_arr = np.array(cv), np.array(fv)
+        binary = k1 and bool(np.isin(c_arr, (0.0, 100.0)).all() and np.isin(f_arr, (0.0, 100.0)).all())
+        result[key] = (c_arr, f_arr, binary, left_out)
+    return result
+
+
+def check_prompts(comp: Run, full: Run, c_rows: dict, f_rows: dict, ids: list[str]) -> list[str]:
+    """Refuse on a differing prompt hash; a note when hashes are missing (then they were not checked)."""
+    bad = [s for s in ids if None not in (c_rows[s].get("prompt_hash"), f_rows[s].get("prompt_hash"))
+           and c_rows[s]["prompt_hash"] != f_rows[s]["prompt_hash"]]  # fmt: skip
+    if bad:
+        raise PairingError(
+            f"{comp.rel} cannot be paired with {full.rel}: prompt hashes differ for {len(bad)} of "
+            f"{len(ids)} shared samples (first: {bad[:3]}): the prompts were rendered differently"
+        )
+    unchecked = sum(None in (c_rows[s].get("prompt_hash"), f_rows[s].get("prompt_hash")) for s in ids)
+    return [f"{comp.rel}: {unchecked} samples without a prompt hash (not checked)"] if unchecked else []
+
+
+def pair(comp: Run, full: Run, settings, full_rows: dict | None = None) -> Pairing:
+    """Pair two runs sample by sample and compute every cell (headline, breakdowns, configured extras).
+    `full_rows`: the full run's samples when already read (one full run serves every budget)."""
+    c_rows = comp.samples()  # RunError for an empty or unreadable side
+    f_rows = full.samples() if full_rows is None else full_rows
+    ids = sorted(set(c_rows) & set(f_rows))
+    if not ids:
+        raise PairingError(f"{comp.rel} cannot be paired with {full.rel}: no sample id in common")
+    p = Pairing(comp, full, sorted(set(c_rows) - set(f_rows)), sorted(set(f_rows) - set(c_rows)))
+    p.notes += check_prompts(comp, full, c_rows, f_rows, ids)
+    if comp.identity["source"] != "recorded" or full.identity["source"] != "recorded":
+        p.notes.append(f"{comp.rel} ~ {full.rel}: no recorded identity (older runner): paired on an identity "
+                       "derived from provenance.config")  # fmt: skip
+    s: StatSettings = settings.stats_for(comp.task)
+    for key, (c, f, binary, left_out) in paired_values(c_rows, f_rows, ids, comp.headline,
+                                                     settings.extras_for(comp.task)).items():  # fmt: skip
+        if left_out:
+            p.notes.append(f"{comp.rel}: {key}: {left_out} problems left out (repeat counts differ and the "
+                           "metric is not a mean over repeats)")  # fmt: skip
+        if len(c):
+            rng = np.random.default_rng([settings.seed, zlib.crc32(f"{comp.rel}|{key}".encode())])
+            p.cells[key] = compare(c, f, binary, s, rng) | {"left_out": left_out}
+    return p
+
+
+__all__ = ["PairingError", "Pairing", "RunError", "partner", "pair", "differences", "keyed"]

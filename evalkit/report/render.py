@@ -1,0 +1,295 @@
+"""Writing the report: report.md (recommendation first, then problems, then one section per model and task),
+report.csv (one row per compressed run and metric key) and two plots per model and task, all atomically."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, never a display
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+from evalkit.report.build import GROUP, Report  # noqa: E402
+from evalkit.results import atomic_write  # noqa: E402
+
+MARK = {"non-inferior": "✓", "worse": "✗", "inconclusive": "?"}
+STYLE = {"non-inferior": ("o", "full"), "worse": ("X", "full"), "inconclusive": ("o", "none")}
+CSV_FIRST = GROUP + ["budget", "metric", "is_headline", "n_paired", "only_compressed", "only_full", "full",
+                     "compressed", "paired_diff", "ci_low", "ci_high", "ci_method", "p_value", "test", "margin",
+                     "verdict", "why", "n_needed", "n_more", "measured_compression"]  # fmt: skip
+
+
+def _table(headers: list[str], lines: list[list]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(
+        out + ["| " + " | ".join("" if x is None else str(x) for x in line) + " |" for line in lines]
+    )
+
+
+def _f(x, fmt="{:+.2f}") -> str:
+    return "-" if x is None or pd.isna(x) else fmt.format(x)
+
+
+def _mib(n) -> str:
+    return "-" if n is None or pd.isna(n) else f"{n / 2**20:,.1f} MiB"
+
+
+def _cell(r) -> str:
+    return f"{_f(r.paired_diff)} [{_f(r.ci_low)}, {_f(r.ci_high)}] {MARK[r.verdict]}"
+
+
+def _decide(r) -> str:
+    if r.verdict != "inconclusive":
+        return ""
+    return "unknown" if pd.isna(r.n_needed) else f"{int(r.n_needed)} (+{int(r.n_more)})"
+
+
+def _config(method: str, settings: str) -> str:
+    return method if settings == "default" else f"{method} {settings}"
+
+
+# --- markdown ---------------------------------------------------------------------------------------
+
+
+def _header(rep: Report) -> str:
+    s, st = rep.settings, rep.settings.stats
+    per_task = ", ".join(f"{t} {m:g}" for t, m in sorted(s.margins.items())) or "none"
+    n_comp = sum(not r.is_full for r in rep.runs)
+    paired = rep.cells["run"].nunique() if len(rep.cells) else 0
+    return "\n".join([
+        "# Deployment report: is the compressed cache as good as the full one?", "",
+        f"{len(rep.runs)} runs read under `{s.results_dir}/runs`; {paired} of {n_comp} compressed runs paired "
+        "sample by sample with the `full` run that generated from the same prompts.", "",
+        f"- margin delta = {st.margin:g} points (per task: {per_task}); a verdict needs >= {st.min_problems} paired problems",
+        f"- difference = compressed - full, {st.confidence:.0%} CI by a paired percentile bootstrap over problems "
+        f"({st.resamples} resamples, seed {s.seed}; the k repeats of a problem stay together); all equal: exact bound",
+        "- p-value: exact McNemar (one binary outcome per problem), otherwise a two-sided sign-flip permutation test",
+        f"- problems to decide: normal-approximation sample size for a paired non-inferiority test (Chow, Shao & "
+        f"Wang 2008, 3.1) at one-sided alpha {(1 - st.confidence) / 2:g}, power {st.power:g}, the observed mean and SD",
+        f"- memory: evalkit.memory with {s.deploy['weight_dtype']} weights, {s.deploy['kv_dtype']} KV, tp "
+        f"{s.deploy['tp']}, {s.deploy['attention']}; hardware {', '.join(s.hardware)}",
+    ])  # fmt: skip
+
+
+def _recommendation(rep: Report) -> str:
+    hw = rep.settings.hardware
+    lines = [
+        "## Recommendation",
+        "",
+        "Per model: the smallest budget non-inferior on every task it was evaluated on.",
+        "",
+    ]
+    lines.append(_table(["model", "cache", "tasks", "budget", "status"], [
+        [r["model"], _config(r["method"], r["settings"]), ", ".join(r["tasks"]), r.get("budget") or "-", r["status"]
+         + "".join(f"; {b}: {', '.join(f'{t} {v}' for t, v in bl.items())}" for b, bl in (r.get("blockers") or {}).items())]
+        for r in rep.by_model
+    ]))  # fmt: skip
+    lines += [
+        "",
+        "Per task: the smallest non-inferior budget, its paired difference, what it saves and gains.",
+        "",
+    ]
+    lines.append(_table(
+        ["model", "task", "cache", "budgets run", "budget", "diff [CI]", "KV saving"] + [f"tok/s gain {h}" for h in hw] + ["status"],
+        [[r["model"], r["task"], _config(r["method"], r["settings"]), ", ".join(map(str, r["budgets"])), r.get("budget") or "-",
+          f"{_f(r['diff'])} [{_f(r['ci'][0])}, {_f(r['ci'][1])}]" if r.get("budget") else "-",
+          _f(r.get("memory_saving"), "{:.1%}")] + [_f(r.get(f"tok_s_gain_{h}"), "{:.2f}x") for h in hw] + [r["status"]]
+         for r in rep.by_task],
+    ))  # fmt: skip
+    return "\n".join(lines)
+
+
+def _bullets(title: str, items: list[str], empty: str) -> str:
+    return f"## {title} ({len(items)})\n\n" + ("\n".join(f"- {x}" for x in items) if items else empty)
+
+
+def _headline_table(rows: pd.DataFrame) -> str:
+    return _table(
+        ["cache", "budget", "kept/seen", "paired n", "one side only (C/F)", "full", "compressed",
+         "diff [CI]", "p (test)", "verdict", "problems to decide"],
+        [[_config(r.method, r.settings), int(r.budget), _f(r.measured_compression, "{:.3f}"), r.n_paired,
+          f"{r.only_compressed}/{r.only_full}", _f(r.full, "{:.2f}"), _f(r.compressed, "{:.2f}"), _cell(r),
+          f"{r.p_value:.3g} ({r.test})", r.verdict + (f" ({r.why})" if r.why else ""), _decide(r)]
+         for r in rows.itertuples()],
+    )  # fmt: skip
+
+
+def _memory_table(rows: pd.DataFrame, hw: list[str]) -> str:
+    if "kv_bytes_seq" not in rows or rows.kv_bytes_seq.isna().all():
+        return "Memory model not joined (see Problems)."
+    first = rows.iloc[0]
+    head = (f"Context: the full run's longest request, {int(first.context_tokens)} tokens "
+            f"(full cache {int(first.kv_entries_full)} entries, {_mib(first.kv_bytes_seq_full)} per sequence).\n\n")  # fmt: skip
+    return head + _table(
+        ["cache", "budget", "kept/seen measured", "entries", "KV / sequence", "saving"]
+        + [f"max batch {h} (full)" for h in hw] + [f"tok/s gain {h}" for h in hw],
+        [[_config(r["method"], r["settings"]), int(r["budget"]), _f(r["measured_compression"], "{:.3f}"), _f(r["kv_entries"], "{:.0f}"),
+          _mib(r["kv_bytes_seq"]), _f(r["memory_saving"], "{:.1%}")]
+         + [f"{_f(r[f'max_batch_{h}'], '{:.0f}')} ({_f(r[f'max_batch_full_{h}'], '{:.0f}')})" for h in hw]
+         + [_f(r[f"tok_s_gain_{h}"], "{:.2f}x") for h in hw] for _, r in rows.iterrows()],
+    )  # fmt: skip
+
+
+def _breakdowns(cells: pd.DataFrame) -> str:
+    sub = cells[~cells.is_headline]
+    if sub.empty:
+        return "No breakdown keys."
+    cols = sorted({(r.method, r.settings, int(r.budget)) for r in sub.itertuples()})
+    grid = {(r.metric, (r.method, r.settings, int(r.budget))): r for r in sub.itertuples()}
+    return _table(
+        ["key", "n"] + [f"{_config(m, s)} {b}" for m, s, b in cols],
+        [[key, int(sub[sub.metric == key].n_paired.max())]
+         + [_cell(grid[(key, c)]) if (key, c) in grid else "-" for c in cols]
+         for key in sorted(set(sub.metric))],
+    )  # fmt: skip
+
+
+def _section(rep: Report, model: str, task: str, plots: dict) -> str:
+    cells = rep.cells[(rep.cells.model == model) & (rep.cells.task == task)]
+    head = cells[cells.is_headline]
+    full = head.iloc[0]
+    parts = [f"## {task} / {model}", "",
+             f"Paired with `{full.full_run}`; headline `{full.metric}`, margin {full.margin:g} points.", "",
+             _headline_table(head), "", "### What the budget buys", "", _memory_table(head, rep.settings.hardware),
+             "", "### Breakdowns (diff [CI] verdict)", "", _breakdowns(cells), ""]  # fmt: skip
+    parts += [f"![{kind}]({path.name})" for kind, path in plots.get((model, task), {}).items()]
+    return "\n".join(parts)
+
+
+READING = """## How to read this report
+
+Each cell compares the compressed cache with the full cache **on the same problems** (same prompts, same
+data, same generation settings): `diff` is compressed - full in points, with its 95% CI. `non-inferior`
+means the CI's lower bound is above -delta: with 95% confidence the cache costs less than delta points.
+`worse` means the CI lies below 0. `inconclusive` means the data cannot tell: the last column says how many
+paired problems would decide at the observed variance (in all, and how many more). A verdict needs at least
+`min_problems` paired problems; identical results on every problem get an exact bound, not a zero-width CI."""
+
+
+def markdown(rep: Report, plots: dict) -> str:
+    sections = [_header(rep), _recommendation(rep),
+                _bullets("Problems", rep.problems, "None: every compressed run was paired."),
+                _bullets("Missing cells", rep.missing, "None: the sweep is complete."),
+                _bullets("Notes", rep.notes, "None.")]  # fmt: skip
+    if len(rep.cells):
+        for model, task in sorted(set(zip(rep.cells.model, rep.cells.task))):
+            sections.append(_section(rep, model, task, plots))
+    return "\n\n".join(sections + [READING]) + "\n"
+
+
+# --- plots ------------------------------------------------------------------------------------------
+
+
+def _save(fig, path: Path) -> None:
+    """Atomic like every other output: a temp file in the same folder, then a rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
+    os.close(fd)
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _verdict_legend(ax) -> None:
+    """Legend entries for the markers: the same shape means the same verdict in both plots."""
+    for verdict, (marker, fill) in STYLE.items():
+        ax.plot([], [], "k" + marker, fillstyle=fill, ls="none", label=verdict)
+
+
+def forest(head: pd.DataFrame, title: str, path: Path) -> None:
+    """Paired difference and CI against budget, one series per cache, the +-delta band shaded."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    budgets = sorted(set(int(b) for b in head.budget))
+    pos = {b: i for i, b in enumerate(budgets)}
+    groups = list(head.groupby(["method", "settings"], sort=True))
+    margin = float(head.margin.iloc[0])
+    ax.axhspan(-margin, margin, color="tab:green", alpha=0.12, label=f"±δ ({margin:g} points)")
+    ax.axhline(0, color="black", lw=0.8)
+    ax.axhline(-margin, color="tab:green", lw=1, ls="--")
+    for g, ((method, sett), rows) in enumerate(groups):
+        shift = (g - (len(groups) - 1) / 2) * 0.12
+        color = f"C{g}"
+        for r in rows.itertuples():
+            x = pos[int(r.budget)] + shift
+            ax.plot([x, x], [r.ci_low, r.ci_high], color=color, lw=2)
+            marker, fill = STYLE[r.verdict]
+            ax.plot(x, r.paired_diff, marker=marker, ms=8, color=color, fillstyle=fill, mec=color)
+        ax.plot([], [], color=color, marker="o", label=_config(method, sett))
+    _verdict_legend(ax)
+    ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
+    ax.set(
+        xlabel="budget (KV entries per layer and KV head)", ylabel="compressed - full (points)", title=title
+    )
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def pareto(head: pd.DataFrame, title: str, path: Path) -> None:
+    """Headline score (on the paired problems) against KV bytes per sequence; non-inferior points filled."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if "kv_bytes_seq_full" in head and not head.kv_bytes_seq_full.isna().all():
+        first = head.iloc[0]
+        ax.plot(first.kv_bytes_seq_full / 2**20, first.full, "k*", ms=13, label="full")
+        ax.annotate("full", (first.kv_bytes_seq_full / 2**20, first.full), textcoords="offset points",
+                    xytext=(-8, -14), fontsize=8)  # fmt: skip
+    for g, ((method, sett), rows) in enumerate(head.groupby(["method", "settings"], sort=True)):
+        color = f"C{g}"
+        ax.plot([], [], "o", color=color, label=_config(method, sett))
+        for r in rows.itertuples():
+            if pd.isna(getattr(r, "kv_bytes_seq", float("nan"))):
+                continue
+            marker, fill = STYLE[r.verdict]
+            ax.plot(
+                r.kv_bytes_seq / 2**20,
+                r.compressed,
+                marker=marker,
+                ms=8,
+                color=color,
+                fillstyle=fill,
+                mec=color,
+            )
+            ax.annotate(str(int(r.budget)), (r.kv_bytes_seq / 2**20, r.compressed), textcoords="offset points",
+                        xytext=(5, 4), fontsize=8)  # fmt: skip
+    ax.set_xscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")  # 2.8, 5.6, 45 rather than 2.8 x 10^0
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.set(xlabel="KV cache per sequence (MiB, memory model)", ylabel=f"{head.metric.iloc[0]} (paired problems)",
+           title=title)  # fmt: skip
+    ax.grid(alpha=0.3)
+    _verdict_legend(ax)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def write_plots(rep: Report, out: Path) -> dict:
+    plots = {}
+    head = rep.headline
+    for (model, task), rows in head.groupby(["model", "task"], sort=True) if len(head) else []:
+        metric = rows.metric.iloc[0]
+        paths = {"forest": out / f"forest_{task}_{model}.png", "pareto": out / f"pareto_{task}_{model}.png"}
+        forest(rows, f"{task} / {model}: {metric}, compressed - full", paths["forest"])
+        pareto(rows, f"{task} / {model}: {metric} vs KV memory", paths["pareto"])
+        plots[(model, task)] = paths
+    return plots
+
+
+def write(rep: Report) -> dict[str, Path]:
+    out = Path(rep.settings.results_dir) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(rep, out)
+    cells = rep.cells
+    if len(cells):
+        cells = cells[[c for c in CSV_FIRST if c in cells] + [c for c in cells if c not in CSV_FIRST]]
+    paths = {"md": out / "report.md", "csv": out / "report.csv"}
+    atomic_write(paths["csv"], cells.to_csv(index=False, float_format="%.6g"))
+    atomic_write(paths["md"], markdown(rep, plots))
+    return paths | {f"{k}_{m}_{t}": p for (m, t), d in plots.items() for k, p in d.items()}

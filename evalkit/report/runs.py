@@ -1,0 +1,163 @@
+"""Reading what runs wrote: `metrics.json` (skipped with a note naming the file when unreadable), the
+generation identity (recorded by the runner, or derived from `provenance.config` for older runs, and said
+so), `samples.jsonl`, and the run folders a sweep left unfinished (a journal but no metrics)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Fields a metrics.json must hold for the leaderboard and the report (dotted paths into the JSON).
+REQUIRED = ("task", "headline", "model.name", "method.name", "scores")
+
+
+class RunError(ValueError):
+    """A run that cannot be used as asked: an unreadable or empty samples.jsonl, a run without identity
+    fields. The message names the run folder."""
+
+
+@dataclass(frozen=True)
+class Run:
+    folder: Path
+    rel: str  # the folder relative to <results_dir>/runs: how messages name a run
+    metrics: dict
+
+    @property
+    def model(self) -> str:
+        return self.metrics["model"]["name"]
+
+    @property
+    def task(self) -> str:
+        return self.metrics["task"]
+
+    @property
+    def method(self) -> str:
+        return self.metrics["method"]["name"]
+
+    @property
+    def headline(self) -> str:
+        return self.metrics["headline"]
+
+    @property
+    def budget(self) -> int | None:
+        return self.metrics.get("budget", self.metrics["method"].get("budget"))
+
+    @property
+    def is_full(self) -> bool:
+        return self.method == "full"
+
+    @property
+    def config(self) -> dict:
+        return (self.metrics.get("provenance") or {}).get("config") or {}
+
+    @property
+    def settings(self) -> str:
+        """Method settings changed from the conf defaults (the budget tag without its budget): `recent64`,
+        or `default`. Two runs with the same method and budget but other settings are other configurations."""
+        tag = str(self.metrics["method"].get("conf") or self.rel.rsplit("/", 1)[-1])
+        rest = tag.split("-", 1)[1] if "-" in tag else ""
+        return rest or "default"
+
+    @cached_property
+    def identity(self) -> dict:
+        """{generation, method, scoring, source}: recorded by the runner, or derived here from the resolved
+        config (`source: derived`) for a metrics.json written before the runner recorded it."""
+        recorded = self.metrics.get("identity")
+        if isinstance(recorded, dict) and recorded.get("generation"):
+            return {**recorded, "source": "recorded"}
+        if not self.config:
+            return {"generation": None, "method": None, "scoring": None, "source": "absent"}
+        cfg, m = self.config, self.metrics
+        task = {k: v for k, v in (cfg.get("task") or {}).items() if k != "setup"}  # setup is scoring
+        generation = {"model": cfg.get("model"), "task": task, "task_version": m.get("task_version"),
+                      "data_hash": (m.get("data") or {}).get("hash"), "limit": cfg.get("limit"),
+                      "seed": cfg.get("seed")}  # fmt: skip
+        scoring = {"scorer_version": m.get("scorer_version"), "setup": (cfg.get("task") or {}).get("setup")}
+        return {"generation": _hash16(generation), "method": _hash16(m["method"]),
+                "scoring": _hash16(scoring), "source": "derived"}  # fmt: skip
+
+    def samples(self) -> dict[str, dict]:
+        """samples.jsonl rows by sample id; RunError names the folder and line for anything unusable."""
+        path = self.folder / "samples.jsonl"
+        if not path.is_file():
+            raise RunError(f"{self.rel}: no samples.jsonl (per-sample scores are needed to pair it)")
+        rows: dict[str, dict] = {}
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                sid, scores = str(row["id"]), row["scores"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise RunError(
+                    f"{self.rel}/samples.jsonl line {i}: unreadable row ({type(e).__name__}: {e})"
+                ) from None
+            if not isinstance(scores, dict):
+                raise RunError(f"{self.rel}/samples.jsonl line {i}: scores is not an object")
+            if sid in rows:
+                raise RunError(f"{self.rel}/samples.jsonl line {i}: sample id {sid!r} appears twice")
+            rows[sid] = row
+        if not rows:
+            raise RunError(f"{self.rel}: empty run (samples.jsonl holds no samples)")
+        return rows
+
+
+def _hash16(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _check(metrics) -> None:
+    if not isinstance(metrics, dict):
+        raise ValueError(f"not a JSON object (a {type(metrics).__name__})")
+    for dotted in REQUIRED:
+        node = metrics
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise ValueError(f"no '{dotted}' (an older or foreign schema)")
+            node = node[part]
+    if not isinstance(metrics["scores"], dict) or not all(
+        isinstance(v, dict) and "mean" in v for v in metrics["scores"].values()
+    ):
+        raise ValueError("'scores' is not {key: {mean, stderr, n}}")
+
+
+def load_runs(results_dir: str | Path) -> tuple[list[Run], list[str]]:
+    """Every readable `<results_dir>/runs/**/metrics.json`, and one note (also logged as a warning) per
+    file skipped, naming it and why: one bad file never stops the rest."""
+    root = Path(results_dir) / "runs"
+    runs, notes = [], []
+    for path in sorted(root.glob("**/metrics.json")):
+        rel = path.parent.relative_to(root).as_posix()
+        try:
+            metrics = json.loads(path.read_text(encoding="utf-8"))
+            _check(metrics)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+            note = f"{root / rel}/metrics.json: skipped ({type(e).__name__}: {e})"
+            log.warning(note)
+            notes.append(note)
+            continue
+        runs.append(Run(path.parent, rel, metrics))
+    return runs, notes
+
+
+def unfinished(results_dir: str | Path) -> list[str]:
+    """Run folders with a config or a journal but no metrics.json (a sweep still running, or killed),
+    with how many generations their journal holds."""
+    root = Path(results_dir) / "runs"
+    out = []
+    for cfg in sorted(root.glob("**/config.yaml")):
+        folder = cfg.parent
+        if (folder / "metrics.json").exists():
+            continue
+        journal = folder / "generations.jsonl"
+        done = sum(1 for line in journal.read_text().splitlines() if line.strip()) if journal.exists() else 0
+        out.append(
+            f"{folder.relative_to(root).as_posix()}: unfinished ({done} generations journaled, no metrics.json)"
+        )
+    return out

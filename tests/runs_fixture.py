@@ -1,0 +1,116 @@
+"""Fabricated run folders for the leaderboard and report tests, in the runner's format (evalkit/summary.py):
+`metrics.json` with `identity`, `scorer_version`, `generation.from_journal`, and `samples.jsonl` rows with
+`repeat_scores` (one dict per repeat: the task's score of that prediction alone). No model runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from evalkit.sample import aggregate
+
+SMOL_CONFIG = {  # the fields of SmolLM2-135M's config.json the memory model reads
+    "model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+def _hash16(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def sample_row(sid: str, repeat_scores: list[dict], subset: str = "", prompt_hash: str | None = None) -> dict:
+    """A samples.jsonl row whose `scores` is the mean of its repeats (pass@1-style metrics)."""
+    keys = repeat_scores[0].keys()
+    scores = {k: sum(r[k] for r in repeat_scores) / len(repeat_scores) for k in keys}
+    return {
+        "id": sid,
+        "doc_id": int(hashlib.sha256(sid.encode()).hexdigest()[:6], 16),
+        "subset": subset,
+        "prompt_hash": prompt_hash or f"h-{sid}",
+        "predictions": [f"prediction {r}" for r in range(len(repeat_scores))],
+        "scores": scores,
+        "repeat_scores": repeat_scores,
+        "generation": [{"output_tokens": 3} for _ in repeat_scores],
+    }
+
+
+def binary_rows(outcomes: list[int], metric: str = "score", prefix: str = "s") -> list[dict]:
+    """One k=1 sample per outcome (1 = correct = 100 points)."""
+    return [sample_row(f"{prefix}{i}", [{metric: 100.0 * o}]) for i, o in enumerate(outcomes)]
+
+
+def write_run(
+    root: Path,
+    rows: list[dict],
+    *,
+    task: str = "ruler",
+    model: str = "smollm2_135m",
+    method: str = "snapstream",
+    budget: int | None = 256,
+    settings: dict | None = None,
+    headline: str = "score",
+    task_version: int = 1,
+    scorer_version: int | None = 1,  # None: a metrics.json from before scorer_version existed
+    data_hash: str = "d" * 64,
+    seed: int = 0,
+    repeats: int = 1,
+    identity: bool = True,
+    compression: float | None = 0.25,
+    peak: tuple[int, int] = (2000, 2100),
+) -> Path:
+    """Write `<root>/runs/<task>/<model>/<method>/<tag>/{metrics.json,samples.jsonl,config.yaml}`; the
+    generation identity hashes what determines generations (not the method), as the runner does."""
+    settings = settings or {}
+    tag = ("none" if budget is None else str(budget)) + "".join(
+        f"-{k}{v}" for k, v in sorted(settings.items())
+    )
+    folder = Path(root) / "runs" / task / model / method / tag
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "model": {"name": model, "max_new_tokens": 256},
+        "task": {"name": task, "repeats": repeats, "load": {"n": 2}, "generation": {}},
+        "method": {"budget": budget, **settings},
+        "limit": None,
+        "seed": seed,
+    }
+    generation = {"model": cfg["model"], "task": cfg["task"], "task_version": task_version,
+                  "data_hash": data_hash, "seed": seed}  # fmt: skip
+    metrics = {
+        "schema": 1,
+        "task": task,
+        "task_version": task_version,
+        "scorer_version": scorer_version,
+        "headline": headline,
+        "model": {"name": model, "source": "fixture", "dtype": "float32", "hf_config": SMOL_CONFIG},
+        "method": {"name": method, "budget": budget, **settings, "conf": tag},
+        "budget": budget,
+        "n": len(rows),
+        "data": {"source": "sample", "hash": data_hash, "stats": {}},
+        "scores": aggregate([r["scores"] for r in rows]),
+        "kv": {
+            "compression_ratio": 1.0 if method == "full" else compression,
+            "peak_bytes": 0,
+            "peak_entries": 0,
+            "peak_prompt_tokens": peak[0],
+            "peak_seen_tokens": peak[1],
+            "cache_layout": "per_head",
+        },  # fmt: skip
+        "generation": {"requests": len(rows) * repeats, "mean_output_tokens": 3.0, "from_journal": 0},
+        "provenance": {"git_sha": "abc", "config": cfg},
+    }
+    if scorer_version is None:
+        del metrics["scorer_version"]
+    if identity:
+        metrics["identity"] = {
+            "generation": _hash16(generation),
+            "method": _hash16(metrics["method"]),
+            "scoring": _hash16({"scorer_version": scorer_version}),
+        }
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "config.yaml").write_text("fixture: true\n")
+    return folder
