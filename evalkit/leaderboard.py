@@ -25,7 +25,7 @@ import pandas as pd
 from evalkit.report import settings as report_settings
 from evalkit.report.build import pair_all
 from evalkit.report.runs import Run, load_runs
-from evalkit.results import atomic_write
+from evalkit.results import atomic_write, save_figure
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def plot(runs: list[Run], out_dir: Path) -> list[Path]:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{task}_{model}.png"
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path)
         plt.close(fig)
         paths.append(path)
     return paths

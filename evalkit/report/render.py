@@ -3,8 +3,6 @@ report.csv (one row per compressed run and metric key) and two plots per model a
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -15,7 +13,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from evalkit.report.build import GROUP, Report  # noqa: E402
-from evalkit.results import atomic_write  # noqa: E402
+from evalkit.results import atomic_write, save_figure  # noqa: E402
 
 MARK = {"non-inferior": "✓", "worse": "✗", "inconclusive": "?"}
 STYLE = {"non-inferior": ("o", "full"), "worse": ("X", "full"), "inconclusive": ("o", "none")}
@@ -186,12 +184,8 @@ def markdown(rep: Report, plots: dict) -> str:
 
 
 def _save(fig, path: Path) -> None:
-    """Atomic like every other output: a temp file in the same folder, then a rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=120)
+    save_figure(fig, path)  # atomic like every other output
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def _verdict_legend(ax) -> None:
