@@ -5,6 +5,7 @@
     generations.jsonl   one line per finished generation, flushed and fsynced (the resume journal)
     samples.jsonl       per sample: id, prompt hash, predictions, scores, generation stats (no contexts)
     metrics.json        scores with breakdowns and stderr, KV and generation stats, provenance
+    server.json         a served model's server as it reported itself (evalkit.served; served runs only)
 """
 
 from __future__ import annotations

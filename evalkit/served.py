@@ -265,9 +265,9 @@ class _Served:
     async def amodel_call(self, session, sem, messages, *, cache_keys=None, **kwargs):
         """One request (and its follow-up call, LongBench CoT), journaled when it finishes."""
         (p,) = messages
-        if self._failed:  # a refused request stops the run: send nothing more
-            return [None]
         async with sem:
+            if self._failed:  # a refused request stops the run: send nothing more
+                return [None]
             try:
                 text, stats = await self._call(session, p)
                 if p.followup is not None:

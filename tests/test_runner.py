@@ -46,7 +46,11 @@ def test_every_conf_composes(group, name):
 
 
 def test_launcher_confs_exist():
-    assert {p.stem for p in (CONF_DIR / "hydra" / "launcher").glob("*.yaml")} == {"local_parallel", "slurm"}
+    assert {p.stem for p in (CONF_DIR / "hydra" / "launcher").glob("*.yaml")} == {
+        "local_parallel",
+        "slurm",
+        "submitit_local",
+    }
 
 
 def test_run_writes_results_and_is_idempotent(tmp_path):
