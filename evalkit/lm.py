@@ -7,7 +7,7 @@ and honours the sample's `max_new_tokens`, so `python -m evalkit` and `lm_eval -
 text. With a journal it records each finished generation (resume after a crash) and its KV statistics.
 
     lm_eval --model evalkit --model_args model=smollm2_135m,method=snapstream,budget=256 \
-            --include_path tasks --tasks ruler --metadata '{"tokenizer": "smollm2_135m"}'
+            --include_path tasks --tasks evalkit_ruler --metadata '{"tokenizer": "smollm2_135m"}'
 """
 
 from __future__ import annotations
@@ -72,6 +72,98 @@ class Prompt:
     followup: str | None = None
 
 
+# --- what every evalkit LM shares (EvalkitLM here, the served LM in evalkit.served): request keys, prompts, the
+# context fit, output post-processing and journal records, so both see and record exactly the same things ----------
+def request_seed(seed: int, key: str) -> int:
+    """A request's own sampling seed: a sample never depends on its batch, a resumed run samples the same."""
+    return int(hashlib.sha256(f"{seed}/{key}".encode()).hexdigest()[:8], 16)
+
+
+def keyed(requests) -> list[str]:
+    """The journal key of each lm-eval request, in order (lm-eval repeats a request k times: repeat 0..k-1)."""
+    repeat, keys = Counter(), []
+    for req in requests:
+        base = (req.task_name, req.doc_id, req.idx)
+        keys.append(request_key(*base, repeat[base]))
+        repeat[base] += 1
+    return keys
+
+
+def request_prompt(req, key: str, tokenizer, limit: int, cap) -> Prompt:
+    """The prompt of one request: evalkit docs are rendered from their Sample (chat template, prefill) and keep
+    their own `max_new_tokens` within `limit`; a plain lm-eval task's context is used as lm-eval rendered it."""
+    context, gen = req.args[0], dict(req.args[1])
+    followup = gen.pop("evalkit_followup", None)
+    limit = cap(int(gen.get("max_gen_toks", limit)))
+    doc = req.doc if isinstance(req.doc, dict) and set(req.doc) >= DOC_FIELDS else None
+    if doc is None:  # a plain lm-eval task: lm-eval rendered the context
+        return Prompt(key, context, limit, gen, followup=followup)
+    sample = Sample.from_doc(doc)
+    return Prompt(
+        key, sample_prompt(tokenizer, sample), min(sample.max_new_tokens, limit), gen, sample, followup
+    )
+
+
+def followup_prompt(p: Prompt, first: str, tokenizer, cap) -> Prompt:
+    """The second call of a two-call protocol (LongBench CoT), made from the first call's output."""
+    module, name = p.followup.split(":")
+    s = getattr(importlib.import_module(module), name)(p.sample, first)
+    return Prompt(p.key, sample_prompt(tokenizer, s), cap(s.max_new_tokens), p.gen, s)
+
+
+def fit_prompt(tokenizer, p: Prompt, context: int) -> tuple[list[int], bool]:
+    """(token ids, truncated) within the model context; may lower `p.max_new`.
+
+    Prompt + generation must fit the context. A short prompt with a long generation budget (AIME's 32k
+    tokens on an 8k model) has its generation capped ("capped by the model context"); a long prompt is cut
+    in the middle, keeping the instructions and the question (as LongBench does), and counted."""
+    ids = tokenizer(p.text, add_special_tokens=p.sample is None)["input_ids"]
+    if len(ids) + p.max_new <= context:
+        return ids, False
+    if len(ids) <= context // 2:
+        p.max_new = context - len(ids)
+        return ids, False
+    keep = max(context - p.max_new, context // 2)
+    p.max_new = min(p.max_new, context - keep)
+    return ids[: keep // 2] + ids[len(ids) - (keep - keep // 2) :], True
+
+
+def finish_text(p: Prompt, text: str, until: list[str]) -> str:
+    """A decoded generation as the scorer sees it: cut at the task's stop strings; R1-style templates open the
+    thinking block in the prompt, so it is put back in front."""
+    for stop in until:
+        text = text.split(stop)[0]
+    return "<think>\n" + text if p.text.endswith("<think>\n") else text
+
+
+def journal_record(p: Prompt, text: str, stats: dict) -> dict:
+    """One journal line (evalkit.results.RECORD_FIELDS): what scoring needs, keyed by request."""
+    task, doc_id, idx, rep = p.key.rsplit("/", 3)
+    return {
+        "key": p.key,
+        "task": task,
+        "doc_id": int(doc_id),
+        "repeat": int(rep),
+        "id": p.sample.id if p.sample else None,
+        "prompt_hash": prompt_hash(p.text),
+        "text": text,
+        "stats": stats,
+    }
+
+
+def journaled(journal, prompt: Prompt) -> dict | None:
+    """The journal's record of this request, if any; one made from another prompt is refused, never reused."""
+    done = journal.get(prompt.key) if journal else None
+    if done is not None and done["prompt_hash"] != prompt_hash(prompt.text):
+        from evalkit.config import ConfigError
+
+        raise ConfigError(
+            f"{journal.path}: request {prompt.key} was generated from a different prompt; the task data "
+            "changed since this run started. Delete the run folder to start over."
+        )
+    return done
+
+
 @register_model("evalkit")
 class EvalkitLM(HFLM):
     """HFLM whose generations run through `evalkit.kv.KVCache(method)`."""
@@ -133,11 +225,8 @@ class EvalkitLM(HFLM):
         """Generate (or take from the journal) every request; with `also`, other budgets share each prefill."""
         results: list[str | None] = [None] * len(requests)
         todo: list[tuple[int, Prompt]] = []
-        repeat = Counter()
-        for i, req in enumerate(requests):
-            base = (req.task_name, req.doc_id, req.idx)
-            prompt = self._prompt(req, request_key(*base, repeat[base]))  # lm-eval repeats a request k times
-            repeat[base] += 1
+        for i, (req, key) in enumerate(zip(requests, keyed(requests))):
+            prompt = self._prompt(req, key)
             done = self._journaled(self.journal, prompt)
             if done is not None and all(self._journaled(j, prompt) is not None for _, j in self.also):
                 results[i] = done["text"]
@@ -167,36 +256,14 @@ class EvalkitLM(HFLM):
         return results
 
     def _journaled(self, journal, prompt: Prompt) -> dict | None:
-        done = journal.get(prompt.key) if journal else None
-        if done is not None and done["prompt_hash"] != prompt_hash(prompt.text):
-            from evalkit.config import ConfigError
-
-            raise ConfigError(
-                f"{journal.path}: request {prompt.key} was generated from a different prompt; the task data "
-                "changed since this run started. Delete the run folder to start over."
-            )
-        return done
+        return journaled(journal, prompt)
 
     def _label(self) -> str:
         budgets = [getattr(m, "budget", None) for m in [self.kv_method, *(m for m, _ in self.also)]]
         return f"{self.kv_method.name} {','.join(str(b) for b in budgets if b is not None)}".strip()
 
     def _prompt(self, req, key: str) -> Prompt:
-        context, gen = req.args[0], dict(req.args[1])
-        followup = gen.pop("evalkit_followup", None)
-        limit = self._cap(int(gen.get("max_gen_toks", self.max_gen_toks)))
-        doc = req.doc if isinstance(req.doc, dict) and set(req.doc) >= DOC_FIELDS else None
-        if doc is None:  # a plain lm-eval task: lm-eval rendered the context
-            return Prompt(key, context, limit, gen, followup=followup)
-        sample = Sample.from_doc(doc)
-        return Prompt(
-            key,
-            sample_prompt(self.tokenizer, sample),
-            min(sample.max_new_tokens, limit),
-            gen,
-            sample,
-            followup,
-        )
+        return request_prompt(req, key, self.tokenizer, self.max_gen_toks, self._cap)
 
     def _cap(self, n: int) -> int:
         """The model conf's cap on new tokens (the embedded CPU model), recorded with the run's config."""
@@ -221,20 +288,7 @@ class EvalkitLM(HFLM):
         texts, stats, rec = self._generate(prompts, method, record, replay)
         if prompts[0].followup is None:
             return texts, stats, rec
-        module, name = prompts[0].followup.split(":")
-        make = getattr(importlib.import_module(module), name)
-        second = []
-        for p, first in zip(prompts, texts):
-            s = make(p.sample, first)
-            second.append(
-                Prompt(
-                    p.key,
-                    sample_prompt(self.tokenizer, s),
-                    self._cap(s.max_new_tokens),
-                    p.gen,
-                    s,
-                )
-            )
+        second = [followup_prompt(p, first, self.tokenizer, self._cap) for p, first in zip(prompts, texts)]
         # The answer call carries no document: upstream's compression only ever touched the first call, so
         # evalkit runs it with a full cache at every budget (recorded as followup_method in the stats).
         finals, second_stats, _ = self._generate(second, Full())
@@ -256,7 +310,7 @@ class EvalkitLM(HFLM):
         windows = [getattr(m, "window", 0) for m in (method, *(m for m, _ in self.also))]
         rec = PrefillRecord(window=max(32, *windows)) if record else None
         cache = KVCache.for_model(method, self.model, record=rec, replay=replay)
-        torch.manual_seed(int(hashlib.sha256(f"{self.seed}/{prompts[0].key}".encode()).hexdigest()[:8], 16))
+        torch.manual_seed(request_seed(self.seed, prompts[0].key))
         start = time.perf_counter()
         with torch.inference_mode(), shared_prefill(self.model):
             out = self._model_generate(input_ids, stop=until or None, attention_mask=mask,
@@ -267,11 +321,7 @@ class EvalkitLM(HFLM):
             toks = out[r, width:].tolist()[: p.max_new]
             ended = next((j for j, t in enumerate(toks) if t in eos), None)
             toks = toks if ended is None else toks[: ended + 1]
-            text = self.tokenizer.decode(toks, skip_special_tokens=True)
-            for stop in until:
-                text = text.split(stop)[0]
-            if p.text.endswith("<think>\n"):  # R1-style templates open the thinking block in the prompt
-                text = "<think>\n" + text
+            text = finish_text(p, self.tokenizer.decode(toks, skip_special_tokens=True), until)
             row = rows[r]
             texts.append(text)
             stats.append(
@@ -294,21 +344,7 @@ class EvalkitLM(HFLM):
         return texts, stats, rec
 
     def _encode(self, p: Prompt) -> tuple[list[int], bool]:
-        """(token ids, truncated) within the model context; may lower `p.max_new`.
-
-        Prompt + generation must fit the context. A short prompt with a long generation budget (AIME's 32k
-        tokens on an 8k model) has its generation capped ("capped by the model context"); a long prompt is cut
-        in the middle, keeping the instructions and the question (as LongBench does), and counted."""
-        ids = self.tokenizer(p.text, add_special_tokens=p.sample is None)["input_ids"]
-        ctx = self.max_length
-        if len(ids) + p.max_new <= ctx:
-            return ids, False
-        if len(ids) <= ctx // 2:
-            p.max_new = ctx - len(ids)
-            return ids, False
-        keep = max(ctx - p.max_new, ctx // 2)
-        p.max_new = min(p.max_new, ctx - keep)
-        return ids[: keep // 2] + ids[len(ids) - (keep - keep // 2) :], True
+        return fit_prompt(self.tokenizer, p, self.max_length)
 
     def _eos_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
@@ -316,14 +352,4 @@ class EvalkitLM(HFLM):
         return sorted({*eos, self.tokenizer.eos_token_id} - {None})
 
     def _record(self, p: Prompt, text: str, stats: dict) -> dict:
-        task, doc_id, idx, rep = p.key.rsplit("/", 3)
-        return {
-            "key": p.key,
-            "task": task,
-            "doc_id": int(doc_id),
-            "repeat": int(rep),
-            "id": p.sample.id if p.sample else None,
-            "prompt_hash": prompt_hash(p.text),
-            "text": text,
-            "stats": stats,
-        }
+        return journal_record(p, text, stats)

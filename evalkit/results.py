@@ -5,6 +5,7 @@
     generations.jsonl   one line per finished generation, flushed and fsynced (the resume journal)
     samples.jsonl       per sample: id, prompt hash, predictions, scores, generation stats (no contexts)
     metrics.json        scores with breakdowns and stderr, KV and generation stats, provenance
+    server.json         a served model's server as it reported itself (evalkit.served; served runs only)
 """
 
 from __future__ import annotations
@@ -212,9 +213,23 @@ def config_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True, sort_keys=True)
 
 
-# Settings that never change a generation: where results live, how a task grades (the code sandbox's limits)
-# and which score a table shows first. A change of these re-scores a finished run from its journal.
-NOT_GENERATION = ("results_dir", "task.setup", "task.headline")
+# Settings that never change a generation: where results live, how a task grades (the code sandbox's limits),
+# which score a table shows first, and how a served model is reached (its address, concurrency, retries: the
+# server's own identity is checked separately, evalkit.served). A change of the grading ones re-scores a finished
+# run from its journal.
+NOT_GENERATION = ("results_dir", "task.setup", "task.headline", "model.base_url", "model.num_concurrent",
+                  "model.max_retries", "model.timeout_s")  # fmt: skip
+
+# evalkit's lm-eval tasks are registered as `evalkit_<task>` so that no name collides with a task or group lm-eval
+# ships (its `ruler` group, `aime24`, ...). Runs made before that rename used the bare names.
+LM_EVAL_PREFIX = "evalkit_"
+
+
+def task_id(lm_eval_task: str) -> str:
+    """evalkit's own name for an lm-eval task: the registered name without the `evalkit_` namespace. Journal keys,
+    sampling seeds and generation identities use it, so run folders made before the rename (journals keyed
+    `ruler/...`, configs with `lm_eval_task: ruler`) are skipped, re-scored and resumed as they were."""
+    return lm_eval_task.removeprefix(LM_EVAL_PREFIX)
 
 
 def generation_settings(cfg: DictConfig) -> dict:
@@ -226,6 +241,9 @@ def generation_settings(cfg: DictConfig) -> dict:
         for name in parents:
             node = node.get(name) or {}
         node.pop(leaf, None)
+    task = out.get("task")
+    if isinstance(task, dict) and isinstance(task.get("lm_eval_task"), str):
+        task["lm_eval_task"] = task_id(task["lm_eval_task"])  # the namespace is no generation setting
     return out
 
 

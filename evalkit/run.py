@@ -46,6 +46,7 @@ from evalkit.results import (
     write_json,
 )
 from evalkit.scoring import JournalError
+from evalkit.served import ServedSpec, provenance, served_lm
 from evalkit.summary import print_table, scoring_identity, summarize
 
 TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
@@ -99,7 +100,10 @@ def plan(cfg: DictConfig) -> Plan:
     for attr, what in (("VERSION", "bumped when prompts or data change"), ("SCORER_VERSION", "bumped when scoring changes")):  # fmt: skip
         if not _int(getattr(task_module, attr, None)):
             raise ConfigError(f"task module {cfg.task.module} must define {attr} (an int, {what})")
-    return Plan(cfg, method, model_spec(cfg.model), task_module, out)
+    spec = model_spec(cfg.model)
+    if isinstance(spec, ServedSpec):  # evalkit.served: method full, a valid address, a tokenizer
+        spec.check(method_name)
+    return Plan(cfg, method, spec, task_module, out)
 
 
 def check_run_settings(cfg: DictConfig) -> None:
@@ -237,6 +241,14 @@ def generate(plans: list[Plan], load_kwargs: dict, context: int) -> None:
     from evalkit.lm import EvalkitLM
 
     p = plans[0]
+    if isinstance(p.spec, ServedSpec):  # no model here: the server is checked before anything is written
+        from evalkit.models import tokenizer_path
+        from evalkit.task import get_tokenizer
+
+        tokenizer = get_tokenizer(tokenizer_path(p.spec))
+        lm = served_lm(p.spec, tokenizer, context, p.journal, p.out, seed=p.cfg.seed)
+        atomic_write(p.out / "config.yaml", config_yaml(p.cfg))
+        return lm_eval_generate(p, lm, load_kwargs)
     model, tokenizer = get_model(p.spec)
     for q in plans:
         atomic_write(q.out / "config.yaml", config_yaml(q.cfg))
@@ -287,6 +299,8 @@ def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
     metrics = summarize(p, loaded, rows, model_config(p.spec, resolve_source(p.spec)), context, counts)
     if setup is not None:
         metrics["task_setup"] = setup
+    if isinstance(p.spec, ServedSpec):
+        metrics["served"] = provenance(p.out)  # the server's URL, model id and what it said about itself
     atomic_write(p.out / "config.yaml", config_yaml(p.cfg))  # the grading settings now in force
     atomic_write(p.out / "samples.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     write_json(p.out / "metrics.json", metrics)

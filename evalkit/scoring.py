@@ -9,6 +9,7 @@ so paired statistics can match repeat r of one run with repeat r of another.
 
 from __future__ import annotations
 
+from evalkit.results import task_id
 from evalkit.sample import Sample
 
 
@@ -17,8 +18,9 @@ class JournalError(RuntimeError):
 
 
 def request_key(task: str, doc_id: int, idx: int, repeat: int) -> str:
-    """The journal key of one lm-eval request (`idx` is lm-eval's request index within a doc: 0 for generation)."""
-    return f"{task}/{doc_id}/{idx}/{repeat}"
+    """The journal key of one lm-eval request (`idx` is lm-eval's request index within a doc: 0 for generation).
+    The task part is evalkit's name for it (`task_id`), whatever namespace lm-eval registers it under."""
+    return f"{task_id(task)}/{doc_id}/{idx}/{repeat}"
 
 
 def request_keys(task: str, n_docs: int, repeats: int) -> list[str]:

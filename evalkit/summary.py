@@ -22,6 +22,10 @@ def model_source(spec) -> str:
     """Where the weights came from, precisely enough to reload the same ones."""
     from importlib import metadata
 
+    if getattr(
+        spec, "base_url", None
+    ):  # evalkit.served: the weights are the server's, only its tokenizer is here
+        return f"served:{spec.base_url} (model {spec.model_id or 'the one it serves'}; tokenizer {spec.tokenizer})"
     if spec.gguf:
         version = metadata.version(spec.gguf["package"].replace("_", "-"))
         return (f"gguf:{spec.gguf['package']}=={version}/{spec.gguf['file']} "
@@ -39,7 +43,9 @@ def _mean(xs):
 
 
 def kv_summary(gens: list[dict], model_config) -> dict:
-    """Measured compression and memory over every generation of the run."""
+    """Measured compression and memory over every generation of the run. A served model's cache lives in the
+    server: its generations carry no KV statistics, and every figure here is then null (unmeasured), never 0."""
+    gens = [g for g in gens if g.get("kv_bytes") is not None]
     peak = max(gens, key=lambda g: g["kv_bytes"]) if gens else {}
     latent = getattr(model_config, "kv_lora_rank", None) is not None
     return {
@@ -50,7 +56,7 @@ def kv_summary(gens: list[dict], model_config) -> dict:
         "peak_prompt_tokens": peak.get("prompt_tokens"),  # of the request at the peak: lets the memory
         "peak_seen_tokens": peak.get("kv_seen"),  # report predict its entries from lengths alone
         "evicted_generated_mean": _mean(g["kv_evicted_generated"] for g in gens),
-        "cache_layout": "latent" if latent else "per_head",
+        "cache_layout": ("latent" if latent else "per_head") if gens else None,
     }
 
 
@@ -150,8 +156,11 @@ def print_table(m: dict) -> None:
         print(f"  {k:<{width}}  {v['mean']:8.2f} ± {v['stderr']:6.2f}  (n={v['n']})")
     kv, gen = m["kv"], m["generation"]
     ratio = f"{kv['compression_ratio']:.3f}" if kv["compression_ratio"] is not None else "-"
+    cache = "not measured (a served model: the server keeps it)"
+    if kv["peak_bytes"] is not None:
+        cache = f"kept/seen {ratio}, peak {kv['peak_entries']} entries = {kv['peak_bytes']:,} bytes"
     print(
-        f"  kv: kept/seen {ratio}, peak {kv['peak_entries']} entries = {kv['peak_bytes'] or 0:,} bytes;"
+        f"  kv: {cache};"
         f" generated {gen['tokens_generated']} tokens in {gen['wall_time_s']:.0f} s"
         f" (hit limit {gen['hit_limit']}, truncated prompts {gen['truncated_prompts']})"
     )

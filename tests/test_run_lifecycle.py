@@ -204,13 +204,13 @@ def test_evalkit_scores_equal_lm_evals_process_results(tmp_path):
     evalkit_lm._model_generate = lambda *a, **k: pytest.fail("a request was not in the journal")
     meta = {"source": "sample", "n": 2, "seed": 0, "tokenizer": "smollm2_135m"}
     manager = TaskManager(include_path=str(ROOT / "tasks"), include_defaults=False, metadata=meta)
-    tasks = get_task_dict(["aime24"], manager)
+    tasks = get_task_dict(["evalkit_aime24"], manager)
     for task in tasks.values():
         task.config.repeats = 2
     result = simple_evaluate(model=Replay(), tasks=list(tasks.values()), log_samples=True, bootstrap_iters=0,
                              task_manager=manager)  # fmt: skip
     journal.close()
-    logged = sorted(result["samples"]["aime24"], key=lambda s: s["doc_id"])
+    logged = sorted(result["samples"]["evalkit_aime24"], key=lambda s: s["doc_id"])
     rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == len(logged) == 2
     for row, s in zip(rows, logged):

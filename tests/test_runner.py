@@ -43,7 +43,11 @@ def test_every_conf_composes(group, name):
 
 
 def test_launcher_confs_exist():
-    assert {p.stem for p in (CONF_DIR / "hydra" / "launcher").glob("*.yaml")} == {"local_parallel", "slurm"}
+    assert {p.stem for p in (CONF_DIR / "hydra" / "launcher").glob("*.yaml")} == {
+        "local_parallel",
+        "slurm",
+        "submitit_local",
+    }
 
 
 def test_run_writes_results_and_is_idempotent(tmp_path):
@@ -142,14 +146,19 @@ def test_lm_eval_cli_runs_the_task_on_a_tiny_model(tmp_path):
     cmd = [
         sys.executable, "-m", "lm_eval", "run", "--model", "evalkit",
         "--model_args", "model=tiny_llama,method=snapstream,budget=64",
-        "--include_path", str(ROOT / "tasks"), "--tasks", "ruler",
+        "--include_path", str(ROOT / "tasks"), "--tasks", "evalkit_ruler",
         "--metadata", json.dumps({"tokenizer": "smollm2_135m", "n": 1, "lengths": [1024], "tasks": ["niah_single_1"]}),
         "--output_path", str(tmp_path), "--limit", "1",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(next(tmp_path.rglob("results_*.json")).read_text())
-    assert "score,all" in results["results"]["ruler"] and results["n-samples"]["ruler"]["effective"] == 1
+    assert (
+        "score,all" in results["results"]["evalkit_ruler"]
+        and results["n-samples"]["evalkit_ruler"]["effective"] == 1
+    )
+    # evalkit's names collide with none lm-eval ships: no "overrides existing task" / "Duplicate task name" warning
+    assert "overrides existing" not in proc.stderr and "Duplicate" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_longbench_cot_makes_the_second_call_without_the_document(tmp_path):

@@ -1,0 +1,394 @@
+"""Served baselines: a model behind an OpenAI-compatible server (vLLM, SGLang, TGI, `transformers serve`) scored on
+evalkit's tasks exactly as an in-process run is, through lm-eval's own API models.
+
+`model=served` (conf/model/served.yaml) names the server (`base_url`, `model_id`), the API (`completions` or
+`chat`) and the served model's tokenizer. Nothing is loaded locally: prompts are rendered and counted with the
+tokenizer, requests go through lm-eval's `local-completions` / `local-chat-completions` machinery (its
+`num_concurrent` requests in flight, its retries), and every finished generation is journaled in the same record
+format as `EvalkitLM`'s (evalkit.lm shares the helpers), so resume, scoring, `metrics.json` and the leaderboard
+are the in-process ones. The server keeps its own full cache: the method is `full`, budget none, and no KV figure
+is measured (null in metrics.json, never 0).
+
+- completions: the request's prompt is `evalkit.lm.sample_prompt(...)`, byte for byte what the in-process model
+  is given (chat template and assistant prefill rendered here). A server may still add special tokens when it
+  tokenizes (a second BOS with Llama-3 templates on vLLM: `extra_body: {add_special_tokens: false}`); the prompt
+  tokens it reports are journaled beside evalkit's count (`server_prompt_tokens`) so any such difference shows.
+- chat: the server renders its own chat template from [system, user] messages; an answer prefix (RULER's) becomes
+  a final assistant message continued with vLLM/SGLang's `continue_final_message` (servers without it refuse).
+
+Before any request the server is asked what it serves (GET /models): an unreachable server, another model or a
+smaller context is an error before anything is journaled. What it reports about itself (its /models entry, its
+`server` header, /version or /info where it has them) is kept in the run folder (`server.json`) and in
+metrics.json; a resumed run whose server reports another model or version is refused, never mixed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aiohttp
+import requests
+from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompletionsAPI
+from omegaconf import OmegaConf
+
+from evalkit.config import ConfigError
+from evalkit.lm import (
+    Prompt,
+    finish_text,
+    fit_prompt,
+    followup_prompt,
+    generation_config,
+    journal_record,
+    journaled,
+    keyed,
+    request_prompt,
+    request_seed,
+)
+from evalkit.models import ModelLoadError, ModelSpec
+from evalkit.results import write_json
+
+APIS = ("completions", "chat")
+TRANSIENT = {408, 409, 425, 429}  # and every 5xx: worth another attempt; any other 4xx is final
+# /models entry fields that identify what is served (others, like `created`, change on every call)
+IDENTITY = ("id", "root", "parent", "owned_by", "max_model_len")
+
+
+class ServedError(ModelLoadError):
+    """The served model could not be used (server down, another model, a refused request); the message says
+    which and how to fix it. A ModelLoadError: the runner reports it as `evalkit: error:` and exits."""
+
+
+@dataclass
+class ServedSpec(ModelSpec):
+    """A model conf for a served model. The ModelSpec fields name where its tokenizer and config are read
+    (filled from `tokenizer`); the weights are the server's."""
+
+    base_url: str | None = None
+    model_id: str | None = None  # None: the server's one model
+    api: str = "completions"
+    num_concurrent: int = 8
+    max_retries: int = 3
+    timeout_s: int = 1800
+    extra_body: dict = field(default_factory=dict)
+    dtype: str | None = None  # what the server computes in is its own business
+
+    def check(self, method_name: str) -> None:
+        """Refuse a bad served conf before any data or request (ConfigError naming the setting), and resolve
+        `tokenizer` to the files it names."""
+        if method_name != "full":
+            raise ConfigError(
+                f"a served model keeps the server's own full cache: use method=full (got method={method_name})"
+            )
+        url = urlsplit(self.base_url or "")
+        if url.scheme not in ("http", "https") or not url.netloc or url.query or url.fragment:
+            raise ConfigError(f"model.base_url must be the server's http(s) OpenAI root (e.g. "
+                              f"http://127.0.0.1:8000/v1), got {self.base_url!r}")  # fmt: skip
+        if self.api not in APIS:
+            raise ConfigError(f"model.api must be one of {', '.join(APIS)}, got {self.api!r}")
+        for key in ("num_concurrent", "max_retries", "timeout_s"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"model.{key} must be a positive integer, got {value!r}")
+        if OmegaConf.is_config(self.extra_body):  # hydra hands over a DictConfig
+            self.extra_body = OmegaConf.to_container(self.extra_body, resolve=True)
+        if not isinstance(self.extra_body, dict):
+            raise ConfigError(
+                f"model.extra_body must be a mapping of request fields, got {self.extra_body!r}"
+            )
+        if not self.tokenizer:
+            raise ConfigError(
+                "model.tokenizer: name the served model's tokenizer and config (a model conf such as "
+                "llama31_8b_instruct, a local folder or a hub id): prompts are rendered and counted with it"
+            )
+        self._resolve_files()
+
+    def _resolve_files(self) -> None:
+        from evalkit.config import CONF_DIR, model_spec
+        from evalkit.models import tokenizer_path
+
+        if (CONF_DIR / "model" / f"{self.tokenizer}.yaml").exists():
+            named = model_spec(self.tokenizer)
+            if named.random is not None or isinstance(named, ServedSpec):
+                raise ConfigError(f"model.tokenizer={self.tokenizer} names no real model's files")
+            source = tokenizer_path(named)  # its folder (the embedded GGUF is converted once) or its hub id
+            if Path(source).is_dir():
+                self.path = source
+            else:
+                self.id, self.revision = named.id, named.revision
+        elif Path(self.tokenizer).is_dir():
+            self.path = self.tokenizer
+        else:
+            self.id = self.tokenizer
+
+    @property
+    def root(self) -> str:
+        return self.base_url.rstrip("/")
+
+
+# --- the server: what it serves, before any request ---------------------------------------------------------
+def server_report(spec: ServedSpec, context: int) -> dict:
+    """GET /models (and the optional /version, /info): what the server serves and says about itself. Raises
+    ServedError when it is unreachable, serves another model, or serves a smaller context than evalkit assumes."""
+    models, header = _get(spec, f"{spec.root}/models", required=True)
+    data = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(data, list):
+        raise ServedError(f"{spec.root}/models answered {str(models)[:200]!r}, not an OpenAI model list")
+    ids = [m.get("id") for m in data if isinstance(m, dict)]
+    if spec.model_id is None and len(ids) != 1:
+        raise ServedError(f"{spec.root} serves {ids}: set model.model_id to one of them")
+    entry = next((m for m in data if isinstance(m, dict) and m.get("id") == (spec.model_id or ids[0])), None)
+    if entry is None:
+        raise ServedError(f"{spec.root} serves {ids}; model.model_id={spec.model_id!r} is not one of them")
+    served_len = entry.get("max_model_len")
+    if isinstance(served_len, int) and served_len < context:
+        raise ServedError(f"{entry['id']} is served with a context of {served_len} tokens, evalkit assumes "
+                          f"{context}: set model.max_length={served_len}")  # fmt: skip
+    server = urlsplit(spec.root)._replace(path="").geturl()
+    about = {name: _get(spec, f"{server}/{name}")[0] for name in ("version", "info")}
+    return {
+        "base_url": spec.root,
+        "api": spec.api,
+        "model": entry,
+        "server_header": header,
+        **{name: body for name, body in about.items() if body is not None},
+        "checked_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def identity(report: dict) -> dict:
+    """The part of a report that must not change while a run is generating: the model and the server build."""
+    return {
+        "model": {k: report["model"].get(k) for k in IDENTITY},
+        "server_header": report.get("server_header"),
+        "version": report.get("version"),
+        "info": report.get("info"),
+    }
+
+
+def _get(spec: ServedSpec, url: str, required: bool = False):
+    """(JSON body, `server` header) of a GET; for an optional endpoint (None, None) when it has none."""
+    try:
+        r = requests.get(url, timeout=min(spec.timeout_s, 30), headers=_auth())
+    except requests.RequestException as e:
+        if not required:
+            return None, None
+        raise ServedError(f"cannot reach the server at {spec.root} (GET {url}: {type(e).__name__}); start it "
+                          "or fix model.base_url") from None  # fmt: skip
+    if not r.ok or "json" not in r.headers.get("content-type", ""):
+        if not required:
+            return None, None
+        raise ServedError(f"GET {url} answered HTTP {r.status_code}: {r.text[:300]!r}")
+    return r.json(), r.headers.get("server")
+
+
+def _auth() -> dict:
+    key = os.environ.get(
+        "OPENAI_API_KEY", ""
+    )  # what lm-eval's local-completions sends; empty for local servers
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def pin_server(out: Path, report: dict) -> None:
+    """Keep the report in the run folder; a run that resumes against another model or server build is refused."""
+    path = Path(out) / "server.json"
+    if path.exists():
+        before = json.loads(path.read_text())
+        if identity(before) != identity(report):
+            raise ServedError(
+                f"{out} was generated by {json.dumps(identity(before))}, the server now reports "
+                f"{json.dumps(identity(report))}: a run never mixes two servers' generations. Point model.base_url "
+                "at the same server, or delete the folder to run again."
+            )
+        return
+    write_json(path, report)
+
+
+def provenance(out: Path) -> dict | None:
+    """What the server reported when the run generated (metrics.json `served`)."""
+    path = Path(out) / "server.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+# --- the lm-eval model -----------------------------------------------------------------------------------------
+class _Transient(RuntimeError):
+    """Worth another attempt (lm-eval's retry loop retries what amodel_call raises)."""
+
+
+class _Final(RuntimeError):
+    """Not worth another attempt: the request itself was refused."""
+
+
+class _Served:
+    """What the completions and chat variants share: evalkit prompts, lm-eval's concurrency and retries, the journal.
+
+    `generate_until` replaces TemplateAPI's: each request is keyed and rendered exactly as EvalkitLM does it, the
+    ones not journaled yet go through lm-eval's `get_batched_requests` (an aiohttp session, `num_concurrent`
+    requests in flight, `max_retries` attempts with exponential back-off), and `amodel_call` journals each one as
+    it finishes, so a killed run loses nothing that finished."""
+
+    def __init__(self, spec: ServedSpec, tokenizer, context: int, journal, report: dict, seed: int = 0):
+        endpoint = f"{spec.root}/chat/completions" if spec.api == "chat" else f"{spec.root}/completions"
+        super().__init__(base_url=endpoint, model=report["model"]["id"], tokenizer_backend=None,
+                         tokenized_requests=False, num_concurrent=spec.num_concurrent, max_retries=spec.max_retries,
+                         timeout=spec.timeout_s, max_length=context + 1, batch_size=1, seed=seed)  # fmt: skip
+        self.spec, self.prompt_tokenizer, self.context, self.journal = spec, tokenizer, context, journal
+        self._failed: list[str] = []
+
+    def _cap(self, n: int) -> int:
+        return min(n, self.spec.max_new_tokens) if self.spec.max_new_tokens else n
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        prompts = [request_prompt(r, k, self.prompt_tokenizer, self._max_gen_toks, self._cap)
+                   for r, k in zip(requests, keyed(requests))]  # fmt: skip
+        todo = [p for p in prompts if journaled(self.journal, p) is None]
+        if todo:  # lm-eval's gather shows the progress ("Requesting API")
+            try:
+                asyncio.run(self.get_batched_requests(todo, cache_keys=[p.key for p in todo], generate=True))
+            except (TimeoutError, _Transient, aiohttp.ClientError, OSError) as e:
+                raise ServedError(
+                    f"{self.base_url} failed after {self.max_retries} attempts ({e or type(e).__name__}); the "
+                    "finished requests are journaled: run the same command again to resume"
+                ) from None
+            if self._failed:
+                raise ServedError(
+                    f"the server refused {len(self._failed)} request(s): {'; '.join(self._failed[:3])}"
+                )
+        return [self.journal.get(p.key)["text"] for p in prompts]
+
+    async def amodel_call(self, session, sem, messages, *, cache_keys=None, **kwargs):
+        """One request (and its follow-up call, LongBench CoT), journaled when it finishes."""
+        (p,) = messages
+        async with sem:
+            if self._failed:  # a refused request stops the run: send nothing more
+                return [None]
+            try:
+                text, stats = await self._call(session, p)
+                if p.followup is not None:
+                    first = text
+                    text, second = await self._call(session, followup_prompt(p, first, self.prompt_tokenizer,
+                                                                             self._cap))  # fmt: skip
+                    stats.update(followup=second, first_output=first, followup_method="full")
+            except _Final as e:
+                self._failed.append(f"{p.key}: {e}")
+                return [None]
+        self.journal.append(journal_record(p, text, stats))
+        return [text]
+
+    async def _call(self, session, p: Prompt) -> tuple[str, dict]:
+        """POST one prompt: (text as the scorer sees it, the journal's stats: tokens, finish reason, latency)."""
+        ids, truncated = fit_prompt(self.prompt_tokenizer, p, self.context)  # may lower p.max_new
+        if truncated and self.spec.api == "chat":
+            raise _Final(
+                f"{len(ids)}-token cut of a prompt longer than the context: only api=completions can cut it"
+            )
+        text = self.prompt_tokenizer.decode(ids) if truncated else p.text  # cut in the middle, as in process
+        payload = self._payload(p, text)
+        start = time.perf_counter()
+        try:
+            async with session.post(self.base_url, json=payload, headers=self.header) as response:
+                body = await response.text()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise _Transient(f"{type(e).__name__}: {e}") from e
+        latency = time.perf_counter() - start
+        if response.status in TRANSIENT or response.status >= 500:
+            raise _Transient(f"HTTP {response.status}: {body[:300]!r}")
+        if not response.ok:
+            raise _Final(f"HTTP {response.status}: {body[:300]!r}")
+        choice, usage = self._choice(body)
+        out = self._text(choice)
+        if not isinstance(out, str):
+            raise _Final(f"the answer holds no text: {body[:300]!r}")
+        until = [s for s in p.gen.get("until", []) or [] if s]
+        tokens = usage.get("completion_tokens")
+        if not isinstance(tokens, int):  # the server reports no usage: count the text with the tokenizer
+            tokens = len(self.prompt_tokenizer(out, add_special_tokens=False)["input_ids"])
+        return finish_text(p, out, until), {
+            "prompt_tokens": len(ids),
+            "server_prompt_tokens": usage.get("prompt_tokens"),
+            "truncated": truncated,
+            "max_new_tokens": p.max_new,
+            "output_tokens": tokens,
+            "output_tokens_from": "server"
+            if isinstance(usage.get("completion_tokens"), int)
+            else "tokenizer",
+            "hit_limit": choice.get("finish_reason") == "length",
+            "finish_reason": choice.get("finish_reason"),
+            "wall_s": latency,
+            "tokens_per_s": tokens / max(latency, 1e-9),
+            "api": self.spec.api,
+        }
+
+    def _payload(self, p: Prompt, text: str) -> dict:
+        """lm-eval's request body for this API with the task's decoding settings, as evalkit decodes in process:
+        greedy unless the task samples, top_p / top_k only when sampling, top_k only when set (servers differ)."""
+        decode = generation_config(p.gen, p.max_new, [0], 0)
+        gen = {"max_gen_toks": p.max_new, "until": [s for s in p.gen.get("until", []) or [] if s],
+               "temperature": decode.temperature if decode.do_sample else 0.0}  # fmt: skip
+        if decode.do_sample:
+            gen["top_p"] = decode.top_p
+            if decode.top_k:
+                gen["top_k"] = decode.top_k
+        payload = self._create_payload(self._messages(p, text), generate=True, gen_kwargs=gen,
+                                       seed=request_seed(self._seed, p.key), eos=None)  # fmt: skip
+        if not payload.get("stop"):
+            payload.pop("stop", None)  # no stop strings: the server stops at its EOS, as evalkit does
+        return {**payload, **self.spec.extra_body}
+
+    def _choice(self, body: str) -> tuple[dict, dict]:
+        try:
+            out = json.loads(body)
+            return out["choices"][0], out.get("usage") or {}
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+            raise _Final(f"not an OpenAI answer: {body[:300]!r}") from None
+
+
+class ServedCompletions(_Served, LocalCompletionsAPI):
+    """/v1/completions with evalkit's rendered prompt text."""
+
+    def _messages(self, p: Prompt, text: str):
+        return text
+
+    @staticmethod
+    def _text(choice: dict):
+        return choice.get("text")
+
+
+class ServedChat(_Served, LocalChatCompletion):
+    """/v1/chat/completions: the server renders its own chat template from the sample's messages."""
+
+    def _messages(self, p: Prompt, text: str):
+        s = p.sample
+        if s is None:
+            raise _Final(
+                "the chat API needs evalkit's sample fields (a plain lm-eval task: use api=completions)"
+            )
+        messages = [{"role": "system", "content": s.system}] if s.system else []
+        messages.append({"role": "user", "content": s.prompt})
+        if s.answer_prefix:
+            messages.append({"role": "assistant", "content": s.answer_prefix})
+        return messages
+
+    def _payload(self, p: Prompt, text: str) -> dict:
+        payload = super()._payload(p, text)
+        if p.sample is not None and p.sample.answer_prefix:  # vLLM / SGLang: continue the assistant's prefill
+            payload.update(add_generation_prompt=False, continue_final_message=True)
+        return payload
+
+    @staticmethod
+    def _text(choice: dict):
+        return (choice.get("message") or {}).get("content")
+
+
+def served_lm(spec: ServedSpec, tokenizer, context: int, journal, out: Path, seed: int = 0):
+    """The lm-eval model for a served run, after the server was checked and pinned to the run folder."""
+    report = server_report(spec, context)
+    pin_server(out, report)
+    cls = ServedChat if spec.api == "chat" else ServedCompletions
+    return cls(spec, tokenizer, context, journal, report, seed=seed)
