@@ -141,7 +141,8 @@ class KVLayer(CacheLayerMixin):
         pos = rows.base_pos[:, None, :].expand(b, h, rows.n).clone()  # (B, H, n)
         sink, tail_long, topk = self.cache.method.blocks()
         if self.cache.has_topk:
-            scores = self.cache.method.score(query, attn_keys, rows.candidates, scaling)  # (B, H_attn, T)
+            # (B, H_attn, T); pads are masked out of the window's softmax
+            scores = self.cache.method.score(query, attn_keys, rows.candidates, rows.pad, scaling)
             t = keys.shape[2]
             best = group_mean(scores, h).topk(min(topk, t), dim=-1)  # -inf past a row's valid_topk
             picked = torch.full((b, h, topk), t, dtype=best.indices.dtype, device=keys.device)  # (B, H, K)

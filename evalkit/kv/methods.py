@@ -39,8 +39,12 @@ class KVMethod:
         """(sink, tail, top-K) used when a prompt does not fit in the budget."""
         raise NotImplementedError
 
-    def score(self, query: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, scaling: float):
-        """Importance of each prompt position for the top-K block, (B, H_attn, T); None when not ranking."""
+    def score(self, query, keys, candidates, pad, scaling: float) -> torch.Tensor | None:
+        """Importance of each prompt position for the top-K block, (B, H_attn, T); None when not ranking.
+
+        query (B, H_q, T_q, D) post-RoPE, the prompt's last T_q positions; keys (B, H_attn, T, D) as attention
+        sees them; candidates (B, T) bool, the positions the top-K block may hold; pad (B,) left pad columns.
+        """
         return None
 
     def describe(self) -> dict:
@@ -124,8 +128,9 @@ class SnapKV(KVMethod):
     def blocks(self) -> tuple[int, int, int]:
         return 0, self.window, self.budget - self.window
 
-    def score(self, query, keys, candidates, scaling):
-        return select.snapkv_scores(query[:, :, -self.window :], keys, candidates, scaling, self.pool_kernel)
+    def score(self, query, keys, candidates, pad, scaling):
+        window = query[:, :, -self.window :]
+        return select.snapkv_scores(window, keys, candidates, pad, scaling, self.pool_kernel)
 
 
 @dataclass

@@ -1,8 +1,18 @@
-"""SnapKV scoring (Li et al., 2024, arXiv 2404.14469) as the spec defines it.
+"""SnapKV scoring as published (Li et al., 2024, arXiv 2404.14469).
 
-scores = softmax over the candidate (middle) keys of Q_obs K^T * scaling, summed over the observation window,
-1-D average pooling along the sequence (stride 1, zero padding kernel // 2, divided by the kernel), then the mean
-over the query heads that share a KV head (GQA), so each KV head keeps one index set and memory really shrinks.
+The reference is SnapKV's own code (FasterDecoding/SnapKV, `snapkv/monkeypatch/snapkv_utils.py`,
+`SnapKVCluster.update_kv`) and kvpress's `SnapKVPress` (`kvpress/presses/snapkv_press.py`), which agree on:
+the observation window's queries (the last w prompt positions) attend, softmax in float32, to **all** prompt keys,
+causally inside the window; the window's own columns are dropped; the rest is summed over the window's queries
+and average-pooled along the sequence (kernel k, stride 1, zero padding k // 2, divided by k). Where they differ,
+evalkit follows kvpress on GQA (the query heads sharing a KV head are averaged, so each KV head keeps one index
+set and memory really shrinks; SnapKV repeats the KV heads and keeps one set per query head) and SnapKV on the
+sum over the window (kvpress's mean is the same ranking). Only after pooling is the choice restricted to the
+layout's `candidates`: a token next to a sink is ranked with its neighbours' real attention, as upstream.
+
+evalkit's own choices: the model's attention scaling (upstream: 1 / sqrt(head_dim), the same for Llama and
+Qwen), float32 from the softmax to the scores (upstream rounds the probabilities to the model dtype first),
+and left-pad columns masked so a padded batch row ranks exactly as that prompt alone.
 """
 
 from __future__ import annotations
@@ -14,29 +24,55 @@ import torch.nn.functional as F
 _MAX_SCORE_ELEMENTS = 1 << 27
 
 
+def window_mask(pad: torch.Tensor, t: int, w: int) -> torch.Tensor:
+    """(B, w, T) bool: key columns each observation-window query may see.
+
+    The window is the last w columns of a left-padded prompt of width T; a query sees the real (non-pad) columns
+    up to its own (causal inside the window, as SnapKV's and kvpress's triangular masks). A window query that is
+    itself a pad (a prompt shorter than the window) sees nothing.
+    """
+    cols = torch.arange(t, device=pad.device)
+    query_cols = torch.arange(t - w, t, device=pad.device)  # (w,) column of each window query
+    real = cols[None, :] >= pad[:, None]  # (B, T)
+    return real[:, None, :] & (cols[None, None, :] <= query_cols[None, :, None])
+
+
 def snapkv_scores(
-    query: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, scaling: float, pool_kernel: int
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    candidates: torch.Tensor,
+    pad: torch.Tensor,
+    scaling: float,
+    pool_kernel: int,
 ) -> torch.Tensor:
     """Importance of every key position, (B, H_attn, T) float32, -inf outside `candidates`.
 
-    query: (B, H_q, w, D) post-RoPE observation window; keys: (B, H_attn, T, D) as attention sees them;
-    candidates: (B, T) bool, the middle positions eligible for the top-K block (pads excluded).
+    query: (B, H_q, w, D) post-RoPE observation window (the last w prompt columns); keys: (B, H_attn, T, D) as
+    attention sees them; candidates: (B, T) bool, the positions eligible for the top-K block (pads and the
+    window excluded); pad: (B,) left pad columns per row.
     """
     b, h_q, w, d = query.shape
     h_attn, t = keys.shape[1], keys.shape[2]
     g = h_q // h_attn  # query heads per attention KV head
+    out = torch.full((b, h_attn, t), float("-inf"), dtype=torch.float32, device=query.device)
+    n = t - w  # columns before the window: the ones SnapKV scores (the window itself is kept anyway)
+    if n <= 0:
+        return out
     q = query.float().view(b, h_attn, g, w, d)
+    seen = window_mask(pad, t, w).view(b, 1, 1, w, t)
+    bias = torch.zeros(seen.shape, dtype=torch.float32, device=query.device).masked_fill_(
+        ~seen, float("-inf")
+    )
+    pad_query = ~seen.any(dim=-1, keepdim=True)  # (B, 1, 1, w, 1): its softmax row is all -inf (NaN)
     step = max(1, _MAX_SCORE_ELEMENTS // max(1, b * g * w * t))
-    out = torch.empty(b, h_attn, t, dtype=torch.float32, device=query.device)
-    bias = torch.zeros(b, 1, 1, 1, t, dtype=torch.float32, device=query.device)
-    bias.masked_fill_(~candidates.view(b, 1, 1, 1, t), float("-inf"))
     for h0 in range(0, h_attn, step):  # prefill only: bounded memory, not a per-step loop
         k = keys[:, h0 : h0 + step].float().unsqueeze(2)  # (B, h, 1, T, D)
         logits = torch.matmul(q[:, h0 : h0 + step], k.transpose(-1, -2)) * scaling + bias  # (B, h, g, w, T)
-        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # rows with no candidate are all -inf
-        summed = probs.sum(dim=3)  # (B, h, g, T)
+        probs = torch.softmax(logits, dim=-1).masked_fill_(pad_query, 0.0)
+        summed = probs[..., :n].sum(dim=3)  # (B, h, g, n): the window's columns dropped
+        # count_include_pad (the default, as upstream): edge positions are divided by the full kernel
         pooled = F.avg_pool1d(summed.flatten(0, 2).unsqueeze(1), pool_kernel, 1, pool_kernel // 2)
-        out[:, h0 : h0 + step] = pooled.view(b, -1, g, t).mean(dim=2)
+        out[:, h0 : h0 + step, :n] = pooled.view(b, -1, g, n).mean(dim=2)
     return out.masked_fill_(~candidates.unsqueeze(1), float("-inf"))
 
 
