@@ -294,11 +294,12 @@ class KVCache(Cache):
         """Static caches: the per-step state as device tensors that every decode step updates in place."""
         b, dev = rows.valid.shape[0], rows.valid.device
         self._sink = min(self.method.blocks()[0], rows.n)  # a constant of the method: safe to specialise on
+        self._row = torch.arange(b, device=dev)  # (B,) row index, for the writes' advanced indexing
         self._slot = torch.zeros(b, dtype=torch.long, device=dev)  # (B,) slot this step writes, per row
         self._slot_pos = torch.zeros(b, dtype=torch.int32, device=dev)  # (B,) position of this step's token
         self._next_slot = torch.tensor(rows.n, device=dev)  # () append methods: the next free column
         self._seen = torch.tensor(t, device=dev)  # () columns seen, pads included
-        pin(rows.valid, rows.next_pos, self._slot, self._slot_pos, self._next_slot, self._seen)
+        pin(rows.valid, rows.next_pos, self._row, self._slot, self._slot_pos, self._next_slot, self._seen)
 
     def seq_length(self) -> int | torch.Tensor:
         """Columns seen, pads included. A static cache answers with a device tensor (as transformers'
@@ -369,7 +370,7 @@ class KVCache(Cache):
         self.step_mask = self._mask(q, dev)
 
     def _write_static(self, layer: KVLayer, k: torch.Tensor, v: torch.Tensor):
-        """One token per row into this step's slot: scatters with tensor indices; returns the whole buffers."""
+        """One token per row into this step's slot, written with tensor indices; returns the whole buffers."""
         if k.shape[2] != 1:  # a shape, so decided when the graph is traced
             raise ValueError(
                 f"{self.method.name}: a static cache (compile) decodes one token per forward after prefill (got "
@@ -377,13 +378,12 @@ class KVCache(Cache):
             )
         if layer.layer_idx == 0:  # the step's first layer advances the state every layer shares
             self._advance_static()
-        b, h = k.shape[:2]
-        slot = self._slot.view(b, 1, 1, 1)
-        layer.keys.scatter_(2, slot.expand(b, h, 1, k.shape[3]), k)
-        layer.values.scatter_(2, slot.expand(b, h, 1, v.shape[3]), v)
-        layer.pos.scatter_(
-            2, slot.view(b, 1, 1).expand(b, h, 1), self._slot_pos.view(b, 1, 1).expand(b, h, 1)
-        )
+        # index_put_ (not scatter_): inductor writes it in place into the buffers; a scatter it would apply to
+        # a copy of each buffer and copy back, moving the whole cache twice per layer and step
+        index = (self._row, slice(None), self._slot)  # (B,) rows x all heads x (B,) slots
+        layer.keys[index] = k[:, :, 0]  # (B, H, D_k)
+        layer.values[index] = v[:, :, 0]
+        layer.pos[index] = self._slot_pos[:, None]  # (B, 1) -> (B, H)
         return layer.keys, layer.values
 
     def _advance_static(self) -> None:
@@ -396,7 +396,7 @@ class KVCache(Cache):
             slot = self._next_slot.expand_as(p)
         self._slot.copy_(slot)
         self._slot_pos.copy_(p)
-        rows.valid.scatter_(1, self._slot[:, None], True)
+        rows.valid[self._row, self._slot] = True
         rows.next_pos.add_(1)
         self._next_slot.add_(1)
         self._seen.add_(1)
