@@ -80,9 +80,10 @@ def assert_same_generation(got, want, logits_atol: float):
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
 @pytest.mark.parametrize("method", METHODS, ids=IDS)
 def test_static_cache_equals_default_cache(arch, method):
-    """Left-padded batch with a prompt shorter than the budget (padded ring) and rings that wrap."""
+    """Left-padded batch with prompts shorter than the budget (40: padded top-K; 12: shorter than sink + recent,
+    so the ring fills slot by slot) and rings that wrap."""
     model = tiny_model(arch, seed=1)
-    ids, mask, _ = left_pad(prompts((150, 97, 40, 123)))
+    ids, mask, _ = left_pad(prompts((150, 97, 40, 12)))
     static = KVCache.for_model(method, model, static=True, max_new_tokens=30)
     default = KVCache.for_model(method, model)
     kw = dict(attention_mask=mask, max_new_tokens=30, min_new_tokens=30, do_sample=False, output_logits=True,
