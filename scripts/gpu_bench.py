@@ -2,7 +2,9 @@
 
 Llama-3.1-8B-shaped (all 32 layers, bf16, sdpa) and DeepSeek-V3-shaped MLA (a few dense layers of the real
 widths): prefill time with transformers' DynamicCache vs SnapStream, then decode tokens/s for the full cache
-vs SnapStream budgets. `python scripts/gpu_bench.py [--tokens 32768] [--device cuda] [--layers N]`;
+vs SnapStream budgets, then eager vs compiled decode (`compile: true`: the static cache through
+torch.compile, CUDA graphs via mode="reduce-overhead"; scripts/compile_bench.py) with the memory floor.
+`python scripts/gpu_bench.py [--tokens 32768] [--device cuda] [--layers N] [--no-compile]`;
 `--device cpu --tokens 1024 --layers 2 --small` is a CPU smoke run of the script itself.
 """
 
@@ -11,10 +13,11 @@ import json
 from pathlib import Path
 
 import torch
+from compile_bench import compiled_decode  # scripts/ is on sys.path when this file runs as a script
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from evalkit.bench import decode_speed, prefill_overhead
-from evalkit.kv import attach
+from evalkit.kv import Full, SnapStream, attach
 
 LLAMA_31_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -42,14 +45,20 @@ def build(cfg: dict, layers: int | None, device: str, small: bool):
 
 
 @torch.inference_mode()
-def run(model, tokens: int, budgets, steps: int, device: str) -> dict:
-    """evalkit.bench's interleaved prefill and decode measurements on random token ids."""
+def run(model, tokens: int, budgets, steps: int, device: str, compiled: bool) -> dict:
+    """evalkit.bench's interleaved prefill and decode measurements on random token ids; eager vs compiled decode
+    of SnapStream (the first budget) and the full cache."""
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
     model(ids[:, :512], logits_to_keep=1)  # warm-up (kernels, allocator)
     res = {"tokens": tokens, "prefill": prefill_overhead(model, ids, reps=3),
            "decode": decode_speed(model, ids, budgets, steps, rounds=4)}  # fmt: skip
+    if compiled:
+        methods = [SnapStream(budget=budgets[0]), Full()]
+        res["compiled_decode"] = [
+            row for m in methods for row in compiled_decode(model, ids, m, steps, rounds=4)
+        ]
     if device.startswith("cuda"):
         res["peak_gpu_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return res
@@ -62,6 +71,7 @@ def main():
     ap.add_argument("--layers", type=int, default=None, help="override layer counts (DeepSeek defaults to 4)")
     ap.add_argument("--steps", type=int, default=64, help="decode steps per configuration (at least 8)")
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--no-compile", action="store_true", help="skip the eager vs compiled decode")
     ap.add_argument("--out", default="results/bench")
     args = ap.parse_args()
     if args.steps < 8:
@@ -74,7 +84,7 @@ def main():
         ("deepseek_v3_shape", DEEPSEEK_V3, args.layers or 4),
     ):
         model = build(cfg, layers, args.device, args.small)
-        report[name] = run(model, args.tokens, budgets, args.steps, args.device)
+        report[name] = run(model, args.tokens, budgets, args.steps, args.device, not args.no_compile)
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_bench.json").write_text(json.dumps(report, indent=2))  # after each model: nothing lost
         del model

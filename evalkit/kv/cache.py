@@ -12,6 +12,12 @@ the prompt, the rest of the block is masked padding, and the ring stays `recent`
 `spare_slots="ring"` is evalkit's option where the spec is strict: a prompt no longer than the budget is kept
 whole and the slots it leaves free extend the ring, so a budget of at least prompt + generated tokens
 reproduces the full cache exactly. Keys keep the RoPE of their original positions; empty slots are masked.
+
+`static=True` (what `compile: true` uses) makes a decode step capturable as one graph: the buffers' shapes never
+change after prefill (append methods allocate prompt + `max_new_tokens` slots up front), the per-step state lives
+in device tensors updated in place by the first layer of each forward (this step's slot per row, the next
+position, the valid-slot mask), and attention reads every slot under that mask. No host sync, no Python branch
+on data, no Python counter inside the step: `torch.compile(fullgraph=True)` captures it once per (batch, slots).
 """
 
 from __future__ import annotations
@@ -90,7 +96,6 @@ class KVLayer(CacheLayerMixin):
     """One model layer's compressed cache. Buffers: keys (B, H, cap, D_k), values (B, H, cap, D_v)."""
 
     is_sliding = False
-    is_compileable = False
     is_croppable = False
 
     def __init__(self, cache: KVCache, layer_idx: int):
@@ -99,6 +104,11 @@ class KVLayer(CacheLayerMixin):
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # full prompt K/V awaiting compression
         self.pos: torch.Tensor | None = None  # (B, H, cap) int32 original position per slot, -1 = empty
         self.steps = 0  # decode steps written by this layer
+
+    @property
+    def is_compileable(self) -> bool:
+        """transformers compiles the decode forward (`generate`'s own path) only for static caches."""
+        return self.cache.static
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -118,13 +128,14 @@ class KVLayer(CacheLayerMixin):
             )
         return self.cache.write(self, key_states, value_states)
 
-    def get_seq_length(self) -> int:
-        return self.cache.seen  # columns seen, pads included: transformers derives positions from it
+    def get_seq_length(self) -> int | torch.Tensor:
+        return self.cache.seq_length()  # columns seen, pads included: transformers derives positions from it
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # After prefill evalkit's attention builds its own mask from the slots; this keeps transformers' mask
-        # (which it then ignores) at q x q instead of growing with the sequence.
-        return query_length, self.cache.seen
+        # (which it then ignores) at q x q instead of growing with the sequence. A static cache reports no offset:
+        # a Python int that changes every step would be a guard, hence a recompilation, per step.
+        return query_length, 0 if self.cache.static else self.cache.seen
 
     def get_max_length(self) -> int:
         return self.cache.method.budget if self.cache.method.ring else -1
@@ -166,6 +177,8 @@ class KVLayer(CacheLayerMixin):
         )
         self.pos = pos.new_full((b, h, cap), -1, dtype=torch.int32)
         self.pos[:, :, : rows.n] = pos
+        if self.cache.static:
+            pin(self.keys, self.values, self.pos)
 
     def grow(self, capacity: int) -> None:
         """Append methods only: move to larger buffers (amortised: capacity grows by half each time)."""
@@ -199,6 +212,26 @@ def valid_columns(attention_mask, b: int, t: int, device) -> torch.Tensor:
     return last if last.dtype == torch.bool else last == 0
 
 
+def check_static(method, static: bool, max_new_tokens):
+    """A static append cache allocates its decode slots at prefill: it must know how many."""
+    if not static or method.ring:
+        return max_new_tokens
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(
+            f"{method.name}: a static cache (compile) appends every new token into a slot allocated at prefill, so "
+            f"it needs max_new_tokens (a positive integer), got {max_new_tokens!r}"
+        )
+    return max_new_tokens
+
+
+def pin(*tensors: torch.Tensor) -> None:
+    """Buffers that keep their address for the whole decode: CUDA graphs then update them in place instead of
+    copying them at every replay (transformers' StaticCache does the same). No effect on eager runs."""
+    if not torch.compiler.is_compiling():  # marking is refused while tracing; prefill is never compiled
+        for t in tensors:
+            torch._dynamo.mark_static_address(t)
+
+
 class KVCache(Cache):
     """Compressed KV cache for any transformers decoder: `model.generate(ids, past_key_values=KVCache(...))`.
 
@@ -206,11 +239,21 @@ class KVCache(Cache):
     needs for scoring. `stats()` reports, per layer, tokens seen, kept and evicted and the bytes held.
     """
 
-    def __init__(self, method, num_layers: int, attn_name: str = "evalkit", record=None, replay=None):
+    def __init__(
+        self,
+        method,
+        num_layers: int,
+        attn_name: str = "evalkit",
+        record=None,
+        replay=None,
+        static: bool = False,
+        max_new_tokens: int | None = None,
+    ):
         self.method, self.attn_name = method, attn_name
         self.record, self.replay = record, replay  # evalkit.kv.prefill: share one prefill across budgets
+        self.static, self.max_new_tokens = bool(static), check_static(method, static, max_new_tokens)
         self.rows: Rows | None = None
-        self.seen = 0  # columns seen, pads included
+        self.seen = 0  # columns seen, pads included (static caches: frozen at the prompt width, see `_seen`)
         self.step = 0  # decode forwards
         self.used = 0  # slots in use per row (static `budget` for ring methods)
         self.visible = 0  # slots attention reads this step (a prefix of `used`)
@@ -221,26 +264,54 @@ class KVCache(Cache):
         super().__init__(layers=[KVLayer(self, i) for i in range(num_layers)])
 
     @classmethod
-    def for_model(cls, method, model, record=None, replay=None) -> KVCache:
+    def for_model(
+        cls, method, model, record=None, replay=None, static: bool = False, max_new_tokens: int | None = None
+    ) -> KVCache:
         config = model.config.get_text_config()
-        return cls(method, config.num_hidden_layers, model.config._attn_implementation, record, replay)
+        return cls(
+            method, config.num_hidden_layers, model.config._attn_implementation, record, replay, static,
+            max_new_tokens,
+        )  # fmt: skip
 
     # --- prefill --------------------------------------------------------------------------------------------
     def prefill_rows(self, attention_mask, b: int, t: int, device) -> Rows:
         """Plan the layout once, at the first layer's prefill; every later layer shares it."""
         if self.rows is None:
             rows = plan_rows(self.method, valid_columns(attention_mask, b, t, device))
-            if not self.method.ring:  # room to append before reallocating; those columns will be valid
-                rows.valid = torch.cat([rows.valid, rows.valid.new_ones(b, max(64, rows.n // 4))], 1)
+            if not self.method.ring:  # room to append (static: one slot per new token)
+                extra = self.max_new_tokens if self.static else max(64, rows.n // 4)
+                # dynamic caches only ever read up to `used`, so their spare columns are marked valid up front;
+                # a static cache reads them all, so each becomes valid when its token is written
+                rows.valid = torch.cat([rows.valid, rows.valid.new_full((b, extra), not self.static)], 1)
             self.rows, self.seen, self.used = rows, t, rows.n
             self.has_topk = bool(rows.topk.max() > 0)  # one sync per prefill
             self._tails, self._prompt_width = rows.tail.tolist(), t
             self._has_pad = not self.method.ring and not bool(rows.valid[:, : rows.n].all())
+            if self.static:
+                self._init_step_state(rows, t)
         return self.rows
+
+    def _init_step_state(self, rows: Rows, t: int) -> None:
+        """Static caches: the per-step state as device tensors that every decode step updates in place."""
+        b, dev = rows.valid.shape[0], rows.valid.device
+        self._sink = min(self.method.blocks()[0], rows.n)  # a constant of the method: safe to specialise on
+        self._row = torch.arange(b, device=dev)  # (B,) row index, for the writes' advanced indexing
+        self._slot = torch.zeros(b, dtype=torch.long, device=dev)  # (B,) slot this step writes, per row
+        self._slot_pos = torch.zeros(b, dtype=torch.int32, device=dev)  # (B,) position of this step's token
+        self._next_slot = torch.tensor(rows.n, device=dev)  # () append methods: the next free column
+        self._seen = torch.tensor(t, device=dev)  # () columns seen, pads included
+        pin(rows.valid, rows.next_pos, self._row, self._slot, self._slot_pos, self._next_slot, self._seen)
+
+    def seq_length(self) -> int | torch.Tensor:
+        """Columns seen, pads included. A static cache answers with a device tensor (as transformers'
+        StaticCache does): a Python int that grows each step would recompile a compiled step each step."""
+        return self._seen if self.static and self.rows is not None else self.seen
 
     # --- decode ---------------------------------------------------------------------------------------------
     def write(self, layer: KVLayer, k: torch.Tensor, v: torch.Tensor):
         """Write this step's q new entries of one layer in place; returns the K/V attention should read."""
+        if self.static:
+            return self._write_static(layer, k, v)
         if layer.steps == self.step:  # the first layer to reach a new step advances the shared bookkeeping
             self._advance(k.shape[2])
         layer.steps += 1
@@ -299,6 +370,43 @@ class KVCache(Cache):
         self.step += 1
         self.step_mask = self._mask(q, dev)
 
+    def _write_static(self, layer: KVLayer, k: torch.Tensor, v: torch.Tensor):
+        """One token per row into this step's slot, written with tensor indices; returns the whole buffers."""
+        if k.shape[2] != 1:  # a shape, so decided when the graph is traced
+            raise ValueError(
+                f"{self.method.name}: a static cache (compile) decodes one token per forward after prefill (got "
+                f"{k.shape[2]}); chunked prefill and multi-token continuation need compile off"
+            )
+        if layer.layer_idx == 0:  # the step's first layer advances the state every layer shares
+            self._advance_static()
+        # index_put_ (not scatter_): inductor writes it in place into the buffers; a scatter it would apply to
+        # a copy of each buffer and copy back, moving the whole cache twice per layer and step
+        index = (self._row, slice(None), self._slot)  # (B,) rows x all heads x (B,) slots
+        layer.keys[index] = k[:, :, 0]  # (B, H, D_k)
+        layer.values[index] = v[:, :, 0]
+        layer.pos[index] = self._slot_pos[:, None]  # (B, 1) -> (B, H)
+        return layer.keys, layer.values
+
+    def _advance_static(self) -> None:
+        """This step's slot and position per row, the slot marked valid, counters moved on: all in place."""
+        rows = self.rows
+        p = rows.next_pos  # (B,) this token's position per row
+        if self.method.ring:  # sink + (p - sink) mod tail, sinks below it (short prompts fill them first)
+            slot = torch.where(p < self._sink, p, self._sink + (p - self._sink) % rows.tail)
+        else:  # append: the next free column, the same for every row
+            slot = self._next_slot.expand_as(p)
+        self._slot.copy_(slot)
+        self._slot_pos.copy_(p)
+        rows.valid[self._row, self._slot] = True
+        rows.next_pos.add_(1)
+        self._next_slot.add_(1)
+        self._seen.add_(1)
+
+    def decode_mask(self) -> torch.Tensor | None:
+        """The mask attention applies this step: (B, 1, 1, slots) valid slots for a static cache (every slot is
+        read), else the step mask `_advance` built (None = attend to all `visible` slots)."""
+        return self.rows.valid[:, None, None, :] if self.static else self.step_mask
+
     def _positions(self, q: int) -> torch.Tensor:
         p = self.rows.next_pos[:, None] + torch.arange(q, device=self.rows.next_pos.device)
         return p.to(torch.int32).view(-1, 1, q)  # (B, 1, q)
@@ -334,33 +442,41 @@ class KVCache(Cache):
         total = {
             k: sum(r[k] for r in rows) for k in ("seen", "kept", "evicted", "evicted_generated", "bytes")
         }
+        used = self._in_use()
         per_layer = [
             {
                 **{k: total[k] for k in ("seen", "kept", "evicted")},
                 "layer": i,
-                "bytes": lay.entry_bytes() * self.used,
+                "bytes": lay.entry_bytes() * used,
             }
             for i, lay in enumerate(self.layers)
             if lay.keys is not None
         ]
         reserved = sum(lay.entry_bytes() * lay.keys.shape[2] for lay in self.layers if lay.keys is not None)
-        return {**total, "slots": self.used, "reserved_bytes": reserved, "per_layer": per_layer, "rows": rows}
+        return {**total, "slots": used, "reserved_bytes": reserved, "per_layer": per_layer, "rows": rows}
+
+    def _in_use(self) -> int:
+        """Slots in use per row: `budget` for ring methods; for an append cache, the prompt's and those written
+        since (a static one counts them on the device: one sync, at report time)."""
+        if self.static and not self.method.ring and self.rows is not None:
+            return self.rows.n + int(self._seen) - self._prompt_width
+        return self.used
 
     def row_stats(self) -> list[dict]:
         """Per batch row; `slots` is the row's own footprint (a static ring is `budget` whatever it holds)."""
         if self.rows is None or self.layers[0].keys is None:
             return []
-        rows = self.rows
-        if self.method.ring:
+        rows, used = self.rows, self._in_use()
+        if self.method.ring and not self.static:
             kept = list(rows.filled)
-        else:
-            kept = rows.valid[:, : self.used].sum(1).tolist()
+        else:  # a static cache marks each slot valid as it writes it
+            kept = rows.valid[:, :used].sum(1).tolist()
         lengths = torch.tensor(rows.lengths, dtype=torch.int32, device=rows.valid.device)
-        kept_generated = (self.layers[0].pos[:, 0, : self.used] >= lengths[:, None]).sum(1).tolist()
+        kept_generated = (self.layers[0].pos[:, 0, :used] >= lengths[:, None]).sum(1).tolist()
         per_slot = sum(lay.entry_bytes() for lay in self.layers) // len(kept)  # one row, all layers, K and V
         out = []
         for r, (seen, length) in enumerate(zip(rows.next_pos.tolist(), rows.lengths)):
-            slots = self.used if self.method.ring else kept[r]
+            slots = used if self.method.ring else kept[r]
             out.append(
                 {
                     "seen": seen,
@@ -375,7 +491,7 @@ class KVCache(Cache):
 
     def positions(self, layer_idx: int) -> torch.Tensor:
         """(B, H, slots) original position held by each slot of a layer, -1 = empty."""
-        return self.layers[layer_idx].pos[:, :, : self.used]
+        return self.layers[layer_idx].pos[:, :, : self._in_use()]
 
     # --- unsupported generate paths fail loudly ---------------------------------------------------------------
     def reorder_cache(self, beam_idx):
