@@ -27,7 +27,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from evalkit.kv import Full, KVCache
-from evalkit.sample import Sample, render
+from evalkit.sample import Sample, render_sample
 
 DOC_FIELDS = {"id", "task", "prompt", "answers", "max_new_tokens"}
 
@@ -185,7 +185,7 @@ class EvalkitLM(HFLM):
         sample = Sample.from_doc(doc)
         return Prompt(
             key,
-            render(self.tokenizer, sample.prompt, sample.answer_prefix, sample.system),
+            render_sample(self.tokenizer, sample),
             min(sample.max_new_tokens, limit),
             gen,
             sample,
@@ -223,7 +223,7 @@ class EvalkitLM(HFLM):
             second.append(
                 Prompt(
                     p.key,
-                    render(self.tokenizer, s.prompt, s.answer_prefix, s.system),
+                    render_sample(self.tokenizer, s),
                     self._cap(s.max_new_tokens),
                     p.gen,
                     s,

@@ -109,6 +109,8 @@ def load_data(p: Plan, tokenizer_source: str, context: int):
 
     kwargs = {**OmegaConf.to_container(p.cfg.task.load, resolve=True), "tokenizer": tokenizer_source}
     kwargs["model_context"] = context
+    if p.spec.prompt_format:  # a task with its own template for this model family renders with it
+        kwargs["prompt_format"] = p.spec.prompt_format
     try:
         return load_task(p.cfg.task.name, p.task_module.load, **kwargs), kwargs
     except (LookupError, ValueError, OSError, RuntimeError) as e:  # bad data or data options
