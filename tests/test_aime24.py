@@ -96,8 +96,10 @@ def test_box_deviations_from_qwen_math_are_deliberate(response, qwen, evalkit):
         # the five: judged wrong (or not found) by the hand-written normaliser
         ("\\boxed{204 \\text{ minutes}}", "204", (True, "boxed")),  # README: "Units in text handling"
         ("\\boxed{23 \\text{ (p+q)}}", "23", (True, "boxed")),
-        # README FAQ: gold `101` vs a chain `a+2z = 2z + a = 101` "will return True"
+        # README FAQ: gold `101` vs a chain `a+2z = 2z + a = 101` "will return True" (gold first: reversed,
+        # "it will return False")
         ("\\boxed{n = 809}", "809", (True, "boxed")),
+        ("\\boxed{a+2z = 2z + a = 101}", "101", (True, "boxed")),
         ("\\boxed{\\frac{408}{2}}", "204", (True, "boxed")),
         ("$\\boxed 73$", "73", (True, "boxed")),
         # kept from the old table

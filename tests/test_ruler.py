@@ -593,6 +593,11 @@ def test_chat_template_models_are_unchanged(tok, tmp_path):
     assert frozen.frozen_path(tmp_path, "vt", 1024, 42, tok, "fp", {}, "{prompt}") != path
 
 
+def test_render_puts_the_prompt_in_the_slot_untouched(tok):
+    # no trimming (Llama-3.1's chat template trims the user turn; RULER's template does not), no .format()
+    assert render(tok, " {x}\n", " A:", template="<u>{prompt}</u>") == "<u> {x}\n</u> A:"
+
+
 def test_unknown_prompt_format_is_a_clear_error(tok):
     with pytest.raises(ValueError, match="RULER has no prompt format 'llama3'.*meta-llama3"):
         ruler.load(n=1, tokenizer=tok, lengths=[1024], prompt_format="llama3")
