@@ -4,6 +4,7 @@ import hashlib
 import json
 import signal
 import threading
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -241,8 +242,12 @@ def test_k1_cons_equals_pass():
 
 
 def test_lm_eval_hook_scores_a_doc():
+    # lm-eval loads the module from its file, outside sys.modules (tasks/aime24/aime24.yaml's !function)
+    from lm_eval.tasks._yaml_loader import _import_func_in_yml
+
+    process_results = _import_func_in_yml("aime24.process_results", Path(aime24.__file__).parent)
     doc = _s("204").to_doc()
-    assert aime24.process_results(doc, [["\\boxed{204 \\text{ minutes}}", "\\boxed{7}"]])["pass@1"] == 50
+    assert process_results(doc, [["\\boxed{204 \\text{ minutes}}", "\\boxed{7}"]])["pass@1"] == 50
 
 
 # --- loading ---

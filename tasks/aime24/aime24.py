@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from evalkit.sample import Sample, Skipped
 from evalkit.task import Loaded, data_file, keep_all, lm_eval_hooks, sha256_bytes, subsample, unique
@@ -73,8 +73,7 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class Judged:
+class Judged(NamedTuple):  # not a dataclass: lm-eval exec's this file outside sys.modules, which they need
     correct: bool
     outcome: str  # "boxed", "no_box", "thinking_truncated" or "judge_timeout"
     vote: str | None = None  # what it votes for in cons@k (the gold when correct); None: no vote
