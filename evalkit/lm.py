@@ -27,7 +27,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from evalkit.kv import Full, KVCache
-from evalkit.sample import Sample, render
+from evalkit.sample import Sample, render_sample
 from evalkit.scoring import request_key
 
 DOC_FIELDS = {"id", "task", "prompt", "answers", "max_new_tokens"}
@@ -39,7 +39,7 @@ def prompt_hash(text: str) -> str:
 
 def sample_prompt(tokenizer, sample: Sample) -> str:
     """The exact text the model is given for an evalkit sample (journaled by its hash, checked on re-scoring)."""
-    return render(tokenizer, sample.prompt, sample.answer_prefix, sample.system, sample.rendered)
+    return render_sample(tokenizer, sample)
 
 
 def generation_config(gen: dict, max_new_tokens: int, eos: list[int], pad: int) -> GenerationConfig:

@@ -43,6 +43,9 @@ class ModelSpec:
     # cap on tokens generated per request (CPU smoke runs); None = the task's
     max_new_tokens: int | None = None
     seed: int = 0
+    # a task's own prompt format for this model family, where the task defines one (RULER: "meta-llama3");
+    # None, or a task without that format: the tokenizer's chat template
+    prompt_format: str | None = None
 
 
 def cache_dir() -> Path:

@@ -170,6 +170,8 @@ def load_data(p: Plan, tokenizer_source: str, context: int):
 
     kwargs = {**OmegaConf.to_container(p.cfg.task.load, resolve=True), "tokenizer": tokenizer_source}
     kwargs["model_context"] = context
+    if getattr(p.spec, "prompt_format", None):  # a task with its own template for this model family uses it
+        kwargs["prompt_format"] = p.spec.prompt_format
     try:
         loaded = load_task(p.cfg.task.name, p.task_module.load, **kwargs)
     except (LookupError, ValueError, OSError, RuntimeError) as e:  # bad data or data options

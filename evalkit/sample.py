@@ -12,20 +12,57 @@ import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
+PROMPT_SLOT = "{prompt}"  # where a task's own prompt template puts the user message
+TEMPLATE_KEY = "prompt_template"  # Sample.meta key of that template, set by tasks that have one for the model
+
+
+def template_parts(template: str) -> tuple[str, str]:
+    """(text before, text after) the one `{prompt}` slot of a task's prompt template."""
+    if template.count(PROMPT_SLOT) != 1:
+        raise ValueError(f"a prompt template needs exactly one {PROMPT_SLOT} slot, got {template!r}")
+    before, _, after = template.partition(PROMPT_SLOT)
+    return before, after
+
 
 def render(
-    tokenizer, prompt: str, answer_prefix: str = "", system: str | None = None, rendered: bool = False
+    tokenizer,
+    prompt: str,
+    answer_prefix: str = "",
+    system: str | None = None,
+    template: str | None = None,
+    rendered: bool = False,
 ) -> str:
     """The exact text the model sees: chat template (system + user turn), then the assistant prefill. A
     tokenizer without a chat template (a base model) gets the bare prompt, as RULER's "base" template.
-    `rendered`: the prompt already is the model's whole input (a protocol's raw template): no template."""
+
+    `template` is a task's own prompt format for the model's family (RULER's "meta-llama3"), used instead
+    of the chat template, byte for byte: its text around the `{prompt}` slot, then the answer prefix.
+    `rendered`: the prompt already is the model's whole input (a protocol's raw string, LiveCodeBench's
+    DeepSeek-R1 style): nothing is added but the answer prefix."""
     if rendered:
         return prompt + answer_prefix
+    if template is not None:
+        if system:
+            raise ValueError("a task's prompt template has no place for a system message")
+        before, after = template_parts(template)
+        return before + prompt + after + answer_prefix
     if not getattr(tokenizer, "chat_template", None):
         return (f"{system}\n\n" if system else "") + prompt + answer_prefix
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + answer_prefix
+
+
+def render_sample(tokenizer, sample: Sample) -> str:
+    """`render` for a Sample, with the prompt template its task chose for the model (if any)."""
+    return render(
+        tokenizer,
+        sample.prompt,
+        sample.answer_prefix,
+        sample.system,
+        sample.meta.get(TEMPLATE_KEY),
+        sample.rendered,
+    )
 
 
 @dataclass

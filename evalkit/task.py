@@ -147,9 +147,12 @@ def lm_eval_hooks(name: str, load: Callable[..., Loaded], score: Callable[[list[
         from datasets import Dataset
 
         kwargs = {k: v for k, v in metadata.items() if k not in LM_EVAL_METADATA}
-        # lm-eval CLI: --model_args model=<conf> reaches the task's metadata; its tokenizer is the model's
+        # lm-eval CLI: --model_args model=<conf> reaches the task's metadata; its tokenizer and prompt
+        # format are the model's (`python -m evalkit` passes both itself)
         if "tokenizer" not in kwargs and isinstance(kwargs.get("model"), str):
             kwargs["tokenizer"] = kwargs["model"]
+        if "prompt_format" not in kwargs and (fmt := model_prompt_format(kwargs.get("model"))):
+            kwargs["prompt_format"] = fmt
         loaded = load_task(name, load, **kwargs)
         return {"test": Dataset.from_list([s.to_doc() for s in loaded.samples])}
 
@@ -162,6 +165,13 @@ def lm_eval_hooks(name: str, load: Callable[..., Loaded], score: Callable[[list[
 
 
 LM_EVAL_METADATA = {"version", "config_source"}  # keys lm-eval adds to a task's metadata
+
+
+def model_prompt_format(model) -> str | None:
+    """The `prompt_format` of a model conf given by name (None for anything else)."""
+    from evalkit.config import choices, model_spec
+
+    return model_spec(model).prompt_format if isinstance(model, str) and model in choices("model") else None
 
 
 def keep_all(resps, docs):

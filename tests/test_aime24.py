@@ -1,14 +1,17 @@
-"""AIME 2024: prompt, boxed-answer extraction, pass@1 / cons@k, loaders for both schemas (CPU, offline)."""
+"""AIME 2024: prompt, last-box extraction, math-verify judging, pass@1 / cons@k, loaders for both schemas (CPU, offline)."""
 
 import hashlib
 import json
+import signal
+import threading
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from evalkit.sample import Sample, aggregate
-from tasks.aime24 import aime24
+from tasks.aime24 import aime24, grade
 
 H4_ROW = {
     "id": 60,
@@ -27,35 +30,163 @@ def test_prompt_is_problem_newline_r1_instruction():
     )
 
 
+# --- extraction: the last box (brace-matched, \fbox too, `\boxed N` without braces) -----------------
 @pytest.mark.parametrize(
-    "response, expected",
+    "response, box",
     [
-        ("<think>\nso 33</think>\nThe answer is $\\boxed{33}$.", (33, "boxed")),
-        ("no think tags, just \\boxed{204}", (204, "boxed")),  # non-thinking model / prefilled <think>
-        ("<think>maybe \\boxed{5}</think> final: \\boxed{7}", (7, "boxed")),  # thinking text is ignored
-        ("<think>a</think> x <think>b</think> \\boxed{8}", (8, "boxed")),  # after the LAST </think>
-        ("\\boxed{1} then \\boxed{2} and finally \\boxed{3}", (3, "boxed")),  # last box wins
-        ("\\boxed{\\frac{1}{2}} no wait \\boxed{{12}}", (12, "boxed")),  # nested braces matched
-        ("\\boxed{12} and a cut-off \\boxed{3", (12, "boxed")),  # an unclosed last box is passed over
-        ("\\boxed{033}", (33, "boxed")),  # leading zeros
-        ("\\boxed{\\text{204}}", (204, "boxed")),
-        ("\\fbox{ 25 }", (25, "boxed")),
-        ("$\\boxed{1,000}$", (1000, "boxed")),  # commas
-        ("\\boxed{45^\\circ} or \\boxed{45^{\\circ}}", (45, "boxed")),
-        ("\\boxed{\\$ 8\\!0}", (80, "boxed")),  # $ and \!
-        ("\\boxed{x = 5}", (None, "boxed")),  # a box that is not an integer: wrong, but not "no box"
-        ("The answer is 42.", (None, "no_box")),
-        ("<think>\nlong reasoning that ran out of tok", (None, "thinking_truncated")),
-        ("<think>\nI guess \\boxed{42} but let me check", (None, "thinking_truncated")),
-        ("<think>x</think>", (None, "no_box")),
+        ("\\boxed{1} then \\boxed{2} and finally \\boxed{3}", "3"),  # last box wins
+        ("\\boxed{\\frac{1}{2}} no wait \\boxed{{12}}", "{12}"),  # nested braces matched
+        ("\\boxed{12} and a cut-off \\boxed{3", "12"),  # an unclosed last box is passed over
+        ("\\fbox{ 25 }", " 25 "),
+        ("\\boxed {7}", "7"),  # spaces before the brace
+        ("$\\boxed 73$", "73"),  # the issue's case: no braces, ends with the math
+        ("so \\boxed73.", "73"),  # TeX ends a control word at a digit; a sentence's full stop is dropped
+        ("\\[\\boxed 5\\] and \\(\\boxed 6\\)", "6"),
+        ("\\boxed 204\nThat is all.", "204"),  # a brace-less box ends with its line
+        ("\\boxed{8} then \\boxed $", "8"),  # an empty last box is passed over
+        ("\\boxedanswer{3}", None),  # another control word, not a box
+        ("The answer is 42.", None),
     ],
 )
-def test_judge(response, expected):
-    assert aime24.judge(response) == expected
+def test_last_boxed(response, box):
+    assert aime24.last_boxed(response) == box
+
+
+def qwen_box(pred_str: str) -> str:
+    """Reference: QwenLM/Qwen2.5-Math `evaluation/parser.py` extract_answer's box branch, whose lines are
+    `ans = pred_str.split("boxed")[-1]` / `if ans[0] == "{":` (brace counting) / `else: a = ans.split("$")[0].strip()`."""
+    ans = pred_str.split("boxed")[-1]
+    if ans[0] != "{":
+        return ans.split("$")[0].strip()
+    depth, out = 1, ""
+    for c in ans[1:]:
+        depth += {"{": 1, "}": -1}.get(c, 0)
+        if depth == 0:
+            break
+        out += c
+    return out
+
+
+@pytest.mark.parametrize(
+    "response",
+    ["$\\boxed 73$", "Thus $\\boxed{204}$.", "x $\\boxed{\\frac{1}{2}}$ y", "a \\boxed{1} b $\\boxed 9$ c"],
+)
+def test_box_matches_qwen_math_extraction(response):
+    assert aime24.last_boxed(response) == qwen_box(response)
+
+
+@pytest.mark.parametrize(
+    "response, qwen, evalkit",
+    [
+        ("\\boxed 204\nThat is all.", "204\nThat is all.", "204"),  # evalkit: a bare box ends with its line
+        ("\\boxed{12} then \\boxed{3", "3", "12"),  # evalkit: a cut-off last box is passed over
+        ("so \\boxed 73.", "73.", "73"),  # Qwen drops the full stop later (`if pred[-1] == ".":`)
+        # a space before the brace: Qwen reads a bare box and keeps the braces; evalkit, like math-verify's
+        # extract_boxed_content (it skips whitespace before "{"), reads the group
+        ("$\\boxed {\\frac{1}{2}}$", "{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ],
+)
+def test_box_deviations_from_qwen_math_are_deliberate(response, qwen, evalkit):
+    assert (qwen_box(response), aime24.last_boxed(response)) == (qwen, evalkit)
+
+
+# --- judging with math-verify (huggingface/Math-Verify 0.9.0, lighteval's pass_at_k_math targets) ---------
+@pytest.mark.parametrize(
+    "response, answer, expected",
+    [
+        # the issue's five: judged wrong (or not found) by the hand-written normaliser
+        ("\\boxed{204 \\text{ minutes}}", "204", (True, "boxed")),  # README: "Units in text handling"
+        ("\\boxed{23 \\text{ (p+q)}}", "23", (True, "boxed")),
+        # README FAQ: gold `101` vs a chain `a+2z = 2z + a = 101` "will return True" (gold first: reversed,
+        # "it will return False")
+        ("\\boxed{n = 809}", "809", (True, "boxed")),
+        ("\\boxed{a+2z = 2z + a = 101}", "101", (True, "boxed")),
+        ("\\boxed{\\frac{408}{2}}", "204", (True, "boxed")),
+        ("$\\boxed 73$", "73", (True, "boxed")),
+        # kept from the old table
+        ("<think>\nso 33</think>\nThe answer is $\\boxed{33}$.", "33", (True, "boxed")),
+        (
+            "no think tags, just \\boxed{204}",
+            "204",
+            (True, "boxed"),
+        ),  # non-thinking model / prefilled <think>
+        ("<think>maybe \\boxed{5}</think> final: \\boxed{7}", "7", (True, "boxed")),  # thinking is ignored
+        ("<think>maybe \\boxed{5}</think> final: \\boxed{7}", "5", (False, "boxed")),
+        ("<think>a</think> x <think>b</think> \\boxed{8}", "8", (True, "boxed")),  # after the LAST </think>
+        ("\\boxed{033}", "33", (True, "boxed")),  # leading zeros
+        ("\\boxed{\\text{204}}", "204", (True, "boxed")),
+        ("\\fbox{ 25 }", "25", (True, "boxed")),
+        ("$\\boxed{1,000}$", "1000", (True, "boxed")),  # thousands separator
+        ("\\boxed{45^\\circ} or \\boxed{45^{\\circ}}", "45", (True, "boxed")),
+        ("\\boxed{\\$ 8\\!0}", "80", (True, "boxed")),
+        ("\\boxed{2^{10}}", "1024", (True, "boxed")),  # math-verify evaluates
+        # wrong answers stay wrong
+        ("\\boxed{809, 810}", "809", (False, "boxed")),  # a set is not the integer
+        ("\\boxed{809 \\text{ or } 810}", "809", (False, "boxed")),
+        ("\\boxed{8090}", "809", (False, "boxed")),  # no partial match
+        ("\\boxed{80}", "809", (False, "boxed")),
+        ("\\boxed{-204}", "204", (False, "boxed")),
+        ("\\boxed{204.5}", "204", (False, "boxed")),
+        ("\\boxed{x = 5}", "6", (False, "boxed")),
+        ("\\boxed{204 = 205}", "204", (False, "boxed")),
+        ("\\boxed{204!}", "204", (False, "boxed")),
+        ("\\boxed{}", "204", (False, "boxed")),  # an empty box is a box, read as nothing
+        ("\\boxed{\\text{A}}", "204", (False, "boxed")),
+        # math-verify's reading, kept as upstream reads it (evalkit's old normaliser accepted the last two)
+        ("\\boxed{204.}", "204", (False, "boxed")),
+        ("\\boxed{1\\,000}", "1000", (False, "boxed")),
+        # outcomes other than a judged box
+        ("The answer is 42.", "42", (False, "no_box")),  # no box: math-verify never sees the text
+        ("<think>\nlong reasoning that ran out of tok", "42", (False, "thinking_truncated")),
+        ("<think>\nI guess \\boxed{42} but let me check", "42", (False, "thinking_truncated")),
+        ("<think>x</think>", "42", (False, "no_box")),
+    ],
+)
+def test_judge(response, answer, expected):
+    j = aime24.judge(response, answer)
+    assert (j.correct, j.outcome) == expected
+
+
+def test_judge_runs_out_of_time_loudly(monkeypatch):
+    monkeypatch.setattr(grade, "VERIFY_S", 0.5)  # sympy would evaluate this tower for ever
+    assert aime24.judge("\\boxed{9^{9^{9^{9}}}}", "204") == aime24.Judged(False, "judge_timeout", None)
+    scores = aime24.score(["\\boxed{9^{9^{9^{9}}}}", "\\boxed{204}"], _s("204"))
+    assert scores["judge_timeout"] == 50 and scores["pass@1"] == 50 and scores["cons@k"] == 100
+
+
+def test_deadline_restores_an_outer_timer():
+    def outer(*_):
+        raise AssertionError("the outer timer fired early")
+
+    previous = signal.signal(signal.SIGALRM, outer)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 100)
+        with grade.deadline(5):
+            pass
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 90 < left <= 100 and signal.getsignal(signal.SIGALRM) is outer
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_judging_works_off_the_main_thread(monkeypatch):
+    """math-verify's own timers raise ValueError outside the main thread; evalkit judges there in a worker."""
+    cases = [("204 \\text{ minutes}", "204"), ("809, 810", "809"), ("9^{9^{9^{9}}}", "204")]
+    monkeypatch.setattr(grade, "VERIFY_S", 1.0)
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(v=[grade.judge_box(b, g) for b, g in cases]))
+    thread.start()
+    thread.join(120)
+    assert out["v"] == [(True, "204"), (False, "{809, 810}"), None]
 
 
 def _s(answer: str) -> Sample:
     return Sample("1", "aime24", "p", [answer], 32768)
+
+
+def test_versions():
+    assert (aime24.VERSION, aime24.SCORER_VERSION) == (1, 2)  # a scorer-only change keeps the prompt version
 
 
 def test_pass_at_1_and_cons_at_k():
@@ -66,12 +197,36 @@ def test_pass_at_1_and_cons_at_k():
         aime24.score(["<think>cut", "none", "none", b(5)], _s("5")),  # a lone answer wins the vote
         aime24.score(["<think>cut", "<think>cut", "x", "y"], _s("5")),  # nothing to vote on
     ]
-    assert scores[0] == {"pass@1": 50, "cons@k": 100, "no_box": 25, "thinking_truncated": 0}
+    assert scores[0] == {
+        "pass@1": 50,
+        "cons@k": 100,
+        "no_box": 25,
+        "thinking_truncated": 0,
+        "judge_timeout": 0,
+    }
     assert scores[1]["pass@1"] == 50 and scores[1]["cons@k"] == 0
-    assert scores[2] == {"pass@1": 25, "cons@k": 100, "no_box": 50, "thinking_truncated": 25}
-    assert scores[3] == {"pass@1": 0, "cons@k": 0, "no_box": 50, "thinking_truncated": 50}
+    assert scores[2] == {
+        "pass@1": 25,
+        "cons@k": 100,
+        "no_box": 50,
+        "thinking_truncated": 25,
+        "judge_timeout": 0,
+    }
+    assert scores[3] == {"pass@1": 0, "cons@k": 0, "no_box": 50, "thinking_truncated": 50, "judge_timeout": 0}
     agg = aggregate(scores)
     assert agg["pass@1"]["mean"] == 31.25 and agg["cons@k"]["mean"] == 50 and agg["pass@1"]["n"] == 4
+
+
+def test_cons_at_k_votes_on_what_math_verify_reads():
+    b = "\\boxed{{{}}}".format
+    # three right answers in three forms outvote two identical wrong ones
+    right = aime24.score(
+        [b("204"), b("205"), b("\\frac{408}{2}"), b("205"), b("204 \\text{ min}")], _s("204")
+    )
+    assert right["pass@1"] == 60 and right["cons@k"] == 100
+    # two wrong answers in two forms of one number outvote one right answer
+    wrong = aime24.score([b("205"), b("204"), b("\\frac{410}{2}")], _s("204"))
+    assert wrong["pass@1"] == pytest.approx(100 / 3) and wrong["cons@k"] == 0
 
 
 def test_k1_cons_equals_pass():
@@ -80,9 +235,19 @@ def test_k1_cons_equals_pass():
         "cons@k": 100,
         "no_box": 0,
         "thinking_truncated": 0,
+        "judge_timeout": 0,
     }
     with pytest.raises(ValueError):
         aime24.score([], _s("9"))
+
+
+def test_lm_eval_hook_scores_a_doc():
+    # lm-eval loads the module from its file, outside sys.modules (tasks/aime24/aime24.yaml's !function)
+    from lm_eval.tasks._yaml_loader import _import_func_in_yml
+
+    process_results = _import_func_in_yml("aime24.process_results", Path(aime24.__file__).parent)
+    doc = _s("204").to_doc()
+    assert process_results(doc, [["\\boxed{204 \\text{ minutes}}", "\\boxed{7}"]])["pass@1"] == 50
 
 
 # --- loading ---

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from evalkit import sandbox
-from evalkit.sample import render
+from evalkit.sample import render, render_sample
 from tasks.livecodebench import driver, grade
 from tasks.livecodebench import livecodebench as lcb
 from tasks.livecodebench import livecodebench_r1 as r1
@@ -126,7 +126,7 @@ def test_r1_samples_are_rendered_as_is():
     row = next(json.loads(line) for line in lcb.SAMPLE.read_text().splitlines() if s.id in line)
     assert s.rendered and s.system is None and s.task == "livecodebench_r1" and s.answer_prefix == ""
     assert s.prompt == r1.prompt(row["question_content"], "") and s.prompt.endswith("<｜Assistant｜>")
-    assert render(ChatTokenizer(), s.prompt, s.answer_prefix, s.system, s.rendered) == s.prompt
+    assert render_sample(ChatTokenizer(), s) == s.prompt
     generic = next(x for x in lcb.load().samples if x.id == s.id)
     assert not generic.rendered and render(ChatTokenizer(), generic.prompt).startswith("<wrapped>")
     assert type(s).from_doc(s.to_doc()) == s  # the flag survives lm-eval's dataset round trip

@@ -4,16 +4,19 @@ and clear errors for missing files. A tiny word-level tokenizer with a chat temp
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+from pathlib import Path
 
 import pytest
 
-from evalkit.sample import render
+from evalkit.config import choices, compose, model_spec
+from evalkit.sample import TEMPLATE_KEY, render, render_sample
 from tasks.ruler import constants as C
 from tasks.ruler import data as ruler_data
+from tasks.ruler import frozen, ruler
 from tasks.ruler import generate as gen
-from tasks.ruler import ruler
 from tasks.ruler.data import RulerData
 from tasks.ruler.generate import Ctx, count_tokens
 
@@ -24,22 +27,28 @@ CHAT = (
 NOISE_LINE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 
-def make_tokenizer(chat_template: str = CHAT):
+def make_tokenizer(chat_template: str = CHAT, specials=("<|im_start|>", "<|im_end|>"), bos=None):
     """One token per word or punctuation run (unknown words -> [UNK]); enough to count and render."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"[UNK]": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    vocab = {"[UNK]": 0, **{t: i + 1 for i, t in enumerate(specials)}}
     for w in NOISE_LINE.lower().replace(".", "").split() + ["special", "magic", "number"]:
         vocab.setdefault(w, len(vocab))
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    specials = ["<|im_start|>", "<|im_end|>"]
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="[UNK]", additional_special_tokens=specials
+        tokenizer_object=backend, unk_token="[UNK]", bos_token=bos, additional_special_tokens=list(specials)
     )
     tok.chat_template = chat_template
     return tok
+
+
+# meta-llama/Llama-3.1-8B-Instruct tokenizer_config.json "chat_template" (the hub is out of reach in tests:
+# the copy public repositories carry). Rendering one user turn, it opens with a system block that holds
+# "Cutting Knowledge Date: December 2023" and "Today Date: 26 Jul 2024".
+LLAMA31_CHAT = (Path(__file__).parent / "fixtures" / "llama31_chat_template.jinja").read_text()
+LLAMA_SPECIALS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
 
 @pytest.fixture(scope="module")
@@ -470,3 +479,165 @@ def test_rendering_counts_what_the_model_sees(tok):
 def test_lm_eval_hook_scores_a_doc(tok, tmp_path):
     sample = ruler.load(n=1, tokenizer=tok, lengths=[1024], tasks="vt", cache_dir=str(tmp_path)).samples[0]
     assert ruler.process_results(sample.to_doc(), [" " + " ".join(sample.answers)])["score/vt@1024"] == 100.0
+
+
+# --- RULER's own model templates (issue 12, item 5) ------------------------------------------------------
+# NVIDIA/RULER scripts/data/template.py, `Templates`, quoted verbatim.
+UPSTREAM_TEMPLATES = {
+    'base': "{task_template}",
+    'meta-chat': "[INST] {task_template} [/INST]",
+    'vicuna-chat': "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, detailed, and polite answers to the user's questions. USER: {task_template} ASSISTANT:",
+    'lwm-chat': "You are a helpful assistant. USER: {task_template} ASSISTANT: ",
+    'command-r-chat': "<BOS_TOKEN><|START_OF_TURN_TOKEN|><|USER_TOKEN|>{task_template}<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+    'chatglm-chat': "[gMASK]sop<|user|> \n {task_template}<|assistant|> \n ",
+    'RWKV': "User: hi\n\nAssistant: Hi. I am your assistant and I will provide expert full response in full details. Please feel free to ask any question and I will always answer it\n\nUser: {task_template}\n\nAssistant:",
+    'Phi3': "<|user|>\n{task_template}<|end|>\n<|assistant|>\n",
+    'meta-llama3': "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{task_template}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+    'jamba': "<|startoftext|><|bom|><|system|> <|eom|><|bom|><|user|> {task_template}<|eom|><|bom|><|assistant|>",
+    'nemotron5-instruct': "<SPECIAL_10>System\n\n<SPECIAL_11>User\n{task_template}\n<SPECIAL_11>Assistant\n",
+}  # fmt: skip
+LLAMA31_SYSTEM_BLOCK = (
+    "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+    "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n<|eot_id|>"
+)
+
+
+def ruler_text(model_template_type: str, task_template: str, answer_prefix: str) -> str:
+    """What upstream's model sees: prepare.py `model_template.format(task_template=task_template) + answer_prefix`
+    (call_api.py sends `data_point['input'] + data_point.get('answer_prefix', '')`, the same string)."""
+    return UPSTREAM_TEMPLATES[model_template_type].format(task_template=task_template) + answer_prefix
+
+
+@pytest.fixture(scope="module")
+def llama_tok():
+    """A word-level tokenizer with Llama-3's special tokens and the Llama-3.1-8B-Instruct chat template."""
+    return make_tokenizer(LLAMA31_CHAT, LLAMA_SPECIALS, bos="<|begin_of_text|>")
+
+
+def test_model_templates_are_upstream_bytes():
+    assert C.MODEL_TEMPLATES == UPSTREAM_TEMPLATES
+
+
+def test_llama31_renders_rulers_meta_llama3_bytes(llama_tok, tmp_path):
+    tasks = ["niah_single_1", "niah_multikey_2", "vt", "cwe", "fwe"]
+    kw = dict(n=1, tokenizer=llama_tok, lengths=[1024], tasks=tasks, cache_dir=str(tmp_path))
+    loaded = ruler.load(**kw, prompt_format="meta-llama3")
+    assert len(loaded.samples) == len(tasks) and loaded.stats["prompt_format"] == "meta-llama3"
+    for s in loaded.samples:
+        text = render_sample(llama_tok, s)
+        if s.meta["task"] != "cwe":  # cwe's one-shot example is a turn of its own (next test)
+            assert text == ruler_text("meta-llama3", s.prompt, s.answer_prefix)
+        assert text.startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n")
+        assert text.endswith("<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n" + s.answer_prefix)
+        assert "Cutting Knowledge Date" not in text
+        # the tokenizer's own chat template would have opened with the system block
+        assert render(llama_tok, s.prompt, s.answer_prefix).startswith(LLAMA31_SYSTEM_BLOCK)
+        # token-exact lengths are counted on these very bytes
+        n_tokens = len(llama_tok.encode(text, add_special_tokens=False))
+        assert n_tokens == s.meta["n_prompt_tokens"]
+        ttg = C.TASKS[s.meta["task"]].tokens_to_generate
+        assert 0.85 * 1024 <= n_tokens + ttg <= 1024
+    chat = ruler.load(**kw)  # no prompt_format: the chat template, in other frozen files
+    assert chat.stats["prompt_format"] == "chat_template" and chat.stats["frozen_reused"] == 0
+    assert render_sample(llama_tok, chat.samples[0]).startswith(LLAMA31_SYSTEM_BLOCK)
+
+
+def test_cwe_one_shot_is_its_own_templated_turn(llama_tok):
+    """Upstream common_words_extraction.py: `few_shots[n] = template.format(num_cw=..., context=...,
+    query='') + ' ' + ' '.join([f"{i + 1}. {word}" ...])`, then `few_shots + "\n" + input_text`, where the
+    template is the model template around the task template, then the answer prefix."""
+    words = [f"w{i}" for i in range(30)]
+    template = ruler.model_template("meta-llama3")
+    prompt, prefix, answers = gen.cwe_draw(
+        Ctx(llama_tok, 1024, 42, RulerData(), template), words, C.TASKS["cwe"].args, 12
+    )
+    same = Ctx(None, 1024, 42, RulerData())  # the same draws, formatted as upstream does
+    shot, shot_answer = gen.cwe_list(same, words, 20, (3, 1))
+    context, answer = gen.cwe_list(same, words, 12, (6, 1))
+    upstream_template = ruler_text("meta-llama3", C.CWE_TEMPLATE, C.CWE_PREFIX)
+    few_shot = (
+        upstream_template.format(num_cw=10, context=shot, query="")
+        + " "
+        + " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot_answer))
+    )
+    upstream = few_shot + "\n" + upstream_template.format(num_cw=10, context=context, query="")
+    assert render(llama_tok, prompt, prefix, template=template) == upstream and answers == answer
+    assert upstream.count("<|begin_of_text|>") == 2  # upstream's own bytes: one per templated turn
+
+
+def test_single_niah_rewrites_the_model_template_as_upstream(tok):
+    """Upstream niah.py rewrites the whole templated string for one value: `template.replace('Some', 'A')`,
+    `.replace('are all', 'is')`, `.replace('are', 'is')`, `.replace('answers', 'answer')`; vicuna-chat's
+    system text says "answers"."""
+    (s,) = gen.generate_task(
+        "niah_single_1", 1024, 1, 42, tok, RulerData(), ruler.model_template("vicuna-chat")
+    )
+    full = ruler_text("vicuna-chat", C.NIAH_TEMPLATE, C.NIAH_PREFIX)
+    for old, new in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
+        full = full.replace(old, new)
+    context = s.prompt.split("afterwards.\n", 1)[1].rsplit("\nWhat is", 1)[0]
+    query = re.search(r"for (\S+) mentioned", s.answer_prefix).group(1)
+    text = render_sample(tok, s)
+    assert text == full.format(type_needle_v="number", context=context, query=query)
+    assert "polite answer to the user's questions" in text
+
+
+def test_chat_template_models_are_unchanged(tok, tmp_path):
+    (s,) = ruler.load(n=1, tokenizer=tok, lengths=[1024], tasks="vt", cache_dir=str(tmp_path)).samples
+    assert TEMPLATE_KEY not in s.meta and render_sample(tok, s) == render(tok, s.prompt, s.answer_prefix)
+    # frozen files of chat-template runs keep the key they had (no template entry), so they are reused
+    key = {"tokenizer": "fp", "files": {}, "version": gen.GENERATOR_VERSION}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = frozen.frozen_path(tmp_path, "vt", 1024, 42, tok, "fp", {})
+    assert path.name.endswith(f"-{digest}.jsonl")
+    assert frozen.frozen_path(tmp_path, "vt", 1024, 42, tok, "fp", {}, "{prompt}") != path
+
+
+def test_render_puts_the_prompt_in_the_slot_untouched(tok):
+    # no trimming (Llama-3.1's chat template trims the user turn; RULER's template does not), no .format()
+    assert render(tok, " {x}\n", " A:", template="<u>{prompt}</u>") == "<u> {x}\n</u> A:"
+
+
+def test_unknown_prompt_format_is_a_clear_error(tok):
+    with pytest.raises(ValueError, match="RULER has no prompt format 'llama3'.*meta-llama3"):
+        ruler.load(n=1, tokenizer=tok, lengths=[1024], prompt_format="llama3")
+    with pytest.raises(ValueError, match="system message"):
+        render(tok, "p", template="{prompt}", system="s")
+    with pytest.raises(ValueError, match="slot"):
+        render(tok, "p", template="no slot")
+
+
+def test_model_confs_name_rulers_format_only_for_llama31():
+    formats = {name: model_spec(name).prompt_format for name in choices("model")}
+    # r1_distill_llama_8b is a Llama-3.1 network with DeepSeek's chat format: RULER has no template for it
+    assert formats.pop("llama31_8b_instruct") == "meta-llama3"
+    assert set(formats.values()) == {None}
+
+
+def test_runner_and_lm_eval_cli_render_the_same_bytes(llama_tok, tmp_path, monkeypatch):
+    """`python -m evalkit` (run.load_data, then lm-eval's custom_dataset with the load kwargs as metadata) and
+    `lm_eval --model evalkit --model_args model=llama31_8b_instruct` give EvalkitLM the same rendered text."""
+    from types import SimpleNamespace
+
+    from evalkit import run
+    from evalkit.lm import EvalkitLM
+
+    monkeypatch.setenv("EVALKIT_CACHE", str(tmp_path / "cache"))
+    llama_tok.save_pretrained(tmp_path / "tok")
+    tasks = ["niah_single_1", "vt"]
+    small = ["task.load.n=1", "task.load.lengths=[1024]", f"task.load.tasks=[{','.join(tasks)}]"]
+    p = run.plan(compose(overrides=["model=tiny_llama", "+model.prompt_format=meta-llama3", *small]))
+    loaded, kwargs = run.load_data(p, str(tmp_path / "tok"), 8192)
+    assert kwargs["prompt_format"] == "meta-llama3"
+    from_runner = ruler.custom_dataset(**kwargs)["test"]
+    cli = dict(model="llama31_8b_instruct", tokenizer=str(tmp_path / "tok"), n=1, lengths=[1024], tasks=tasks)
+    from_cli = ruler.custom_dataset(**cli)["test"]
+    fake_lm = SimpleNamespace(tokenizer=llama_tok, max_gen_toks=256, _cap=lambda n: n)
+
+    def texts(docs):
+        return [EvalkitLM._prompt(fake_lm, SimpleNamespace(args=("", {}), doc=d), "k").text for d in docs]
+
+    assert texts(from_runner) == texts(from_cli)
+    assert texts(from_runner) == [
+        ruler_text("meta-llama3", s.prompt, s.answer_prefix) for s in loaded.samples
+    ]

@@ -3,7 +3,8 @@
 Dataset `HuggingFaceH4/aime_2024`, split `train` (its only one), parquet pinned at `REVISION`; local files in
 that schema or in `Maxwell-Jia/AIME_2024`'s. Prompt and sampling from the DeepSeek-R1 README "Usage
 Recommendations" (no system prompt, T=0.6, top_p 0.95, 32768 new tokens, k samples); pass@1 is the mean over
-the k samples and cons@k their majority vote, as in the R1 paper.
+the k samples and cons@k their majority vote, as in the R1 paper. The last box is judged by math-verify
+against the gold integer (`tasks/aime24/grade.py`), as lighteval and OpenCompass judge AIME.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 from evalkit.sample import Sample, Skipped
 from evalkit.task import (
@@ -23,9 +25,12 @@ from evalkit.task import (
     subsample,
     unique,
 )
+from tasks.aime24 import grade
 
 VERSION = 1  # bump when the prompt or data handling changes (the generations change)
-SCORER_VERSION = 1  # bump when extraction or scoring changes: finished runs re-score from their journals
+SCORER_VERSION = (
+    2  # bump when extraction or judging changes (2: math-verify, `\\boxed N`): finished runs re-score
+)
 TASK = "aime24"
 REPO = "HuggingFaceH4/aime_2024"
 # Not checked against the hub from here (unreachable): the revision several public pins use for this file.
@@ -39,46 +44,70 @@ INSTRUCTION = "Please reason step by step, and put your final answer within \\bo
 # (id, problem, answer) keys per schema: HuggingFaceH4/aime_2024 and Maxwell-Jia/AIME_2024.
 SCHEMAS = {"problem": ("id", "problem", "answer"), "Problem": ("ID", "Problem", "Answer")}
 
-BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
-TEXT = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\{([^{}]*)\}")
+# `\boxed` / `\fbox` as a whole control word (not `\boxedanswer`), then any spaces
+BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*")
+# a box without braces (`$\boxed 73$`) ends where its math does: `$`, `\]`, `\)` or the line
+BARE_END = re.compile(r"\$|\\\]|\\\)|\n")
 
 
 def prompt(problem: str) -> str:
     return problem.strip() + "\n" + INSTRUCTION
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` / `\\fbox{...}` whose braces close (a cut-off last box is passed over)."""
-    for m in reversed(list(BOX.finditer(text))):
-        depth = 1
-        for j in range(m.end(), len(text)):
-            depth += {"{": 1, "}": -1}.get(text[j], 0)
-            if depth == 0:
-                return text[m.end() : j]
+def _braced(text: str, start: int) -> str | None:
+    """Content of the group opening at text[start] == "{", or None when its braces never close."""
+    depth = 0
+    for j in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[start + 1 : j]
     return None
 
 
-def to_int(boxed: str) -> int | None:
-    """Strip formatting that never changes the number (evalkit adds \\textbf/\\mathrm/\\mathbf, `\\,`, `\\$` and
-    stray braces to the spec's list), then parse; leading zeros go with int()."""
-    s = TEXT.sub(r"\1", boxed)
-    for junk in ("^{\\circ}", "^\\circ", "\\!", "\\,", "\\$", "$", ",", "{", "}"):
-        s = s.replace(junk, "")
-    s = re.sub(r"\s+", "", s)
-    return int(s) if re.fullmatch(r"-?\d+", s) else None
+def _bare(text: str, start: int) -> str | None:
+    """Content of a brace-less box (`\\boxed 73`): up to the end of its math, without a sentence's full stop
+    (Qwen2.5-Math drops it too); None if empty."""
+    end = BARE_END.search(text, start)
+    content = text[start : end.start() if end else len(text)].strip()
+    return content.removesuffix(".").rstrip() or None
 
 
-def judge(prediction: str) -> tuple[int | None, str]:
-    """(extracted integer or None, outcome): outcome is "boxed", "no_box" or "thinking_truncated".
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` / `\\fbox{...}` whose braces close, or of a last `\\boxed N` without
+    braces; a cut-off or empty last box is passed over for the one before it."""
+    for m in reversed(list(BOX.finditer(text))):
+        braced = text.startswith("{", m.end())
+        content = _braced(text, m.end()) if braced else _bare(text, m.end())
+        if content is not None:
+            return content
+    return None
+
+
+class Judged(NamedTuple):  # not a dataclass: lm-eval exec's this file outside sys.modules, which they need
+    correct: bool
+    outcome: str  # "boxed", "no_box", "thinking_truncated" or "judge_timeout"
+    vote: str | None = None  # what it votes for in cons@k (the gold when correct); None: no vote
+
+
+def judge(prediction: str, answer: str) -> Judged:
+    """One response against the gold integer `answer` (a string, as stored in Sample.answers).
 
     An R1-style response is judged after its last `</think>`. One that opened `<think>` and never closed
-    it ran out of tokens while thinking: wrong, and counted apart from "no_box" (the two are disjoint)."""
+    it ran out of tokens while thinking: wrong, and counted apart from "no_box" (the two are disjoint).
+    math-verify judges the last box's content; a judging step that runs out of time counts as wrong and as
+    "judge_timeout", never silently."""
     if "</think>" in prediction:
         prediction = prediction.rsplit("</think>", 1)[1]
     elif "<think>" in prediction:
-        return None, "thinking_truncated"
+        return Judged(False, "thinking_truncated")
     box = last_boxed(prediction)
-    return (None, "no_box") if box is None else (to_int(box), "boxed")
+    if box is None:
+        return Judged(False, "no_box")
+    verdict = grade.judge_box(box, answer)
+    if verdict is None:
+        return Judged(False, "judge_timeout")
+    correct, vote = verdict
+    return Judged(correct, "boxed", answer if correct else vote)
 
 
 def _rows(path: Path) -> list:
@@ -123,21 +152,24 @@ def load(source="sample", n=None, seed=0, **_) -> Loaded:
 
 
 def score(predictions: list[str], sample: Sample) -> dict[str, float]:
-    """Percent: pass@1 (mean over the k predictions), cons@k (majority vote over the extracted integers;
-    predictions without one do not vote; a tie goes to the answer seen first, Counter.most_common's order),
-    no_box and thinking_truncated (shares of the k predictions)."""
+    """Percent: pass@1 (mean over the k predictions), cons@k (majority vote: correct answers vote for the
+    gold, wrong ones for math-verify's reading of their box; a response with nothing readable does not vote;
+    a tie goes to the answer seen first, Counter.most_common's order), and the shares of the k predictions
+    with no box, cut off while thinking, or whose judging ran out of time."""
     if not predictions:
         raise ValueError(f"{sample.id}: no predictions to score")
-    answer = int(sample.answers[0])
-    judged = [judge(p) for p in predictions]
+    answer = sample.answers[0]
+    judged = [judge(p, answer) for p in predictions]
     k = len(judged)
-    votes = Counter(v for v, _ in judged if v is not None)
+    votes = Counter(j.vote for j in judged if j.vote is not None)
     majority = votes.most_common(1)[0][0] if votes else None
+    share = lambda outcome: 100 * sum(j.outcome == outcome for j in judged) / k  # noqa: E731
     return {
-        "pass@1": 100 * sum(v == answer for v, _ in judged) / k,
+        "pass@1": 100 * sum(j.correct for j in judged) / k,
         "cons@k": 100.0 * (majority == answer),
-        "no_box": 100 * sum(o == "no_box" for _, o in judged) / k,
-        "thinking_truncated": 100 * sum(o == "thinking_truncated" for _, o in judged) / k,
+        "no_box": share("no_box"),
+        "thinking_truncated": share("thinking_truncated"),
+        "judge_timeout": share("judge_timeout"),
     }
 
 

@@ -52,6 +52,36 @@ QA_TEMPLATE = (
 QA_PREFIX = " Answer:"
 QA_DOCUMENT = "Document {i}:\n{document}"
 
+# RULER's model templates (upstream `scripts/data/template.py` `Templates`, verbatim): prepare.py renders
+# `Templates[model_template_type].format(task_template=...) + answer_prefix`; `scripts/config_models.sh`
+# runs llama3.1-8b-chat with "meta-llama3". A model conf's `prompt_format` names one.
+MODEL_TEMPLATES = {
+    "base": "{task_template}",
+    "meta-chat": "[INST] {task_template} [/INST]",
+    "vicuna-chat": (
+        "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+        "detailed, and polite answers to the user's questions. USER: {task_template} ASSISTANT:"
+    ),
+    "lwm-chat": "You are a helpful assistant. USER: {task_template} ASSISTANT: ",
+    "command-r-chat": (
+        "<BOS_TOKEN><|START_OF_TURN_TOKEN|><|USER_TOKEN|>{task_template}<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+    ),
+    "chatglm-chat": "[gMASK]sop<|user|> \n {task_template}<|assistant|> \n ",
+    "RWKV": (
+        "User: hi\n\nAssistant: Hi. I am your assistant and I will provide expert full response in full "
+        "details. Please feel free to ask any question and I will always answer it\n\n"
+        "User: {task_template}\n\nAssistant:"
+    ),
+    "Phi3": "<|user|>\n{task_template}<|end|>\n<|assistant|>\n",
+    "meta-llama3": (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{task_template}<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    ),
+    "jamba": "<|startoftext|><|bom|><|system|> <|eom|><|bom|><|user|> {task_template}<|eom|><|bom|><|assistant|>",
+    "nemotron5-instruct": "<SPECIAL_10>System\n\n<SPECIAL_11>User\n{task_template}\n<SPECIAL_11>Assistant\n",
+}
+
 
 @dataclass(frozen=True)
 class TaskSpec:

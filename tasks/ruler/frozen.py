@@ -1,7 +1,8 @@
 """Generated RULER samples frozen to JSONL, so a (task, length) is generated once per tokenizer and reused.
 
 The file name carries the key: task, length, seed, generator version, a fingerprint of the tokenizer (its
-vocabulary, merges, added tokens and chat template) and of the files the task read. Sample i does not
+vocabulary, merges, added tokens and chat template), RULER's model template when one is used, and the files
+the task read. Sample i does not
 depend on n, so a file with at least n rows serves any smaller n.
 """
 
@@ -34,11 +35,21 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def frozen_path(
-    root: Path, task: str, length: int, seed: int, tokenizer, fingerprint: str, files: dict[str, str]
+    root: Path,
+    task: str,
+    length: int,
+    seed: int,
+    tokenizer,
+    fingerprint: str,
+    files: dict[str, str],
+    template: str | None = None,
 ) -> Path:
-    """`fingerprint` is `tokenizer_fingerprint(tokenizer)`, computed once per load (it hashes the whole vocabulary)."""
+    """`fingerprint` is `tokenizer_fingerprint(tokenizer)`, computed once per load (it hashes the whole vocabulary).
+    `template` (RULER's model template) enters the key only when set: chat-template files keep their names."""
     name = re.sub(r"[^\w.-]+", "_", str(getattr(tokenizer, "name_or_path", "") or "tokenizer"))[-40:]
     key = {"tokenizer": fingerprint, "files": files, "version": GENERATOR_VERSION}
+    if template is not None:
+        key["template"] = template
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return root / f"{task}-{length}-seed{seed}-{GENERATOR_VERSION}-{name}-{digest}.jsonl"
 

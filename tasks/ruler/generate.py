@@ -5,7 +5,10 @@ One (task, length) is one upstream generator process: `random` and numpy's legac
 drawn in order, so sample i does not depend on n. Random calls are made in upstream's order, so with the same
 tokenizer, rendering and files the samples are upstream's. Tokens are counted on what the model sees: the
 chat-rendered user turn plus the answer prefix (`count_tokens`); `max_seq_length` includes the tokens to
-generate. Deliberate differences from upstream are marked `# deviation:` where they happen.
+generate. With a model conf's `prompt_format` (RULER's template for the model family,
+`constants.MODEL_TEMPLATES`) the text is upstream's byte for byte: the template around the user turn, then
+the answer prefix.
+Deliberate differences from upstream are marked `# deviation:` where they happen.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from evalkit.sample import Sample, render
+from evalkit.sample import TEMPLATE_KEY, Sample, render, template_parts
 from tasks.ruler.constants import (
     CWE_PREFIX,
     CWE_TEMPLATE,
@@ -44,27 +47,30 @@ Draw = tuple[str, str, list[str]]  # (user prompt, answer prefix, references)
 DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))]  # niah essay depths, in %
 
 
-def count_tokens(tokenizer, prompt: str, answer_prefix: str = "") -> int:
+def count_tokens(tokenizer, prompt: str, answer_prefix: str = "", template: str | None = None) -> int:
     """Prompt tokens as the model sees them (`evalkit.sample.render`: the rendered user turn + answer prefix,
     no extra special tokens); the evalkit model renders RULER samples with the same function."""
-    return len(tokenizer.encode(render(tokenizer, prompt, answer_prefix), add_special_tokens=False))
+    text = render(tokenizer, prompt, answer_prefix, template=template)
+    return len(tokenizer.encode(text, add_special_tokens=False))
 
 
 @dataclass
 class Ctx:
-    """One (task, length) generation: tokenizer, target length, files and the two seeded generators."""
+    """One (task, length) generation: tokenizer, target length, files, the model template (None: the chat
+    template; else RULER's, with evalkit's `{prompt}` slot) and the two seeded generators."""
 
     tokenizer: object
     length: int
     seed: int
     data: RulerData
+    template: str | None = None
 
     def __post_init__(self):
         self.rng = random.Random(self.seed)  # upstream: random.seed(seed)
         self.np = np.random.RandomState(self.seed)  # upstream: np.random.seed(seed)
 
     def tokens(self, draw: Draw) -> int:
-        return count_tokens(self.tokenizer, draw[0], draw[1])
+        return count_tokens(self.tokenizer, draw[0], draw[1], self.template)
 
     def raw_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
@@ -139,7 +145,8 @@ def niah_draw(ctx: Ctx, a: dict, num_haystack: int) -> Draw:
     query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
     template, prefix, kind = NIAH_TEMPLATE, NIAH_PREFIX, kind_v
     if a["num_needle_q"] * a["num_needle_v"] == 1:
-        # deviation: upstream rewrites the whole model-templated string (a system prompt included)
+        # upstream rewrites the whole model-templated string; the model template is rewritten in gen_niah.
+        # deviation: a tokenizer's chat template (no prompt_format) is not rewritten
         template, prefix, kind = singular(template), singular(prefix), kind[:-1]
     prompt = template.format(type_needle_v=kind, context=context, query=query)
     return prompt, prefix.format(type_needle_v=kind, query=query), [v for i in picked for v in values[i]]
@@ -177,6 +184,8 @@ def lines_context(ctx: Ctx, a: dict, num_lines: int, needles: list[str]) -> str:
 
 def gen_niah(ctx: Ctx, spec: TaskSpec, n: int):
     a = spec.args
+    if a["num_needle_q"] * a["num_needle_v"] == 1 and ctx.template is not None:
+        ctx.template = singular(ctx.template)  # upstream's rewrite reaches the model template too
     step = 500 if a["type_haystack"] == "essay" else 25
     if a["type_haystack"] != "essay" and ctx.length < 4096:
         step = 5
@@ -274,11 +283,14 @@ def cwe_draw(ctx: Ctx, words: list[str], a: dict, num_words: int) -> Draw:
     shot, shot_answer = cwe_list(ctx, words, *((20, (3, 1)) if small else (40, (10, 3))), a["num_cw"])
     repeats = (6, 1) if small else (a["freq_cw"], a["freq_ucw"])
     context, answer = cwe_list(ctx, words, num_words, repeats, a["num_cw"])
-    # deviation: upstream wraps the example in the full model template (an earlier chat turn); evalkit has
-    # one user turn, so the example is upstream's `base`-template text (template, prefix, answer) inside it.
+    # Upstream renders the example with the whole model template (its own turn), then the task's turn. With
+    # RULER's template the user message holds the example's turn end and the task's turn start, so the
+    # rendered text is upstream's exactly; deviation: with a chat template evalkit has one user turn, and the
+    # example is upstream's `base`-template text (template, prefix, answer) inside it.
+    before, after = template_parts(ctx.template) if ctx.template is not None else ("", "")
     shot_answer = " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot_answer))
-    shot = CWE_TEMPLATE.format(context=shot) + CWE_PREFIX + " " + shot_answer
-    return shot + "\n" + CWE_TEMPLATE.format(context=context), CWE_PREFIX, answer
+    shot = CWE_TEMPLATE.format(context=shot) + after + CWE_PREFIX + " " + shot_answer
+    return shot + "\n" + before + CWE_TEMPLATE.format(context=context), CWE_PREFIX, answer
 
 
 def gen_cwe(ctx: Ctx, spec: TaskSpec, n: int):
@@ -376,12 +388,16 @@ def gen_qa(ctx: Ctx, spec: TaskSpec, n: int):
 GENERATORS = {"niah": gen_niah, "vt": gen_vt, "cwe": gen_cwe, "fwe": gen_fwe, "qa": gen_qa}
 
 
-def generate_task(task: str, length: int, n: int, seed: int, tokenizer, data: RulerData) -> list[Sample]:
-    """n samples of one RULER task at one `max_seq_length` (prompt tokens + tokens to generate <= length)."""
+def generate_task(
+    task: str, length: int, n: int, seed: int, tokenizer, data: RulerData, template: str | None = None
+) -> list[Sample]:
+    """n samples of one RULER task at one `max_seq_length` (prompt tokens + tokens to generate <= length),
+    rendered with `template` (RULER's model template, `{prompt}` slot) or, when None, the chat template."""
     spec = TASKS[task]
-    ctx = Ctx(tokenizer, length, seed, data)
+    ctx = Ctx(tokenizer, length, seed, data, template)
     rows = GENERATORS[spec.generator](ctx, spec, n)
     ttg = spec.tokens_to_generate
+    extra = {} if ctx.template is None else {TEMPLATE_KEY: ctx.template}  # the evalkit model renders with it
     return [
         Sample(
             id=f"{task}/{length}/{i}",  # upstream's `index` is a character offset for niah; never an id
@@ -391,7 +407,13 @@ def generate_task(task: str, length: int, n: int, seed: int, tokenizer, data: Ru
             max_new_tokens=ttg,
             answer_prefix=prefix,
             subset=f"{task}|{length}",
-            meta={"task": task, "length": length, "metric": spec.metric, "n_prompt_tokens": total - ttg},
+            meta={
+                "task": task,
+                "length": length,
+                "metric": spec.metric,
+                "n_prompt_tokens": total - ttg,
+                **extra,
+            },
         )
         for i, ((prompt, prefix, answers), total) in enumerate(rows)
     ]

@@ -4,7 +4,8 @@ common and frequent words extraction, SQuAD v2 dev and HotpotQA dev-distractor Q
 
 Data: generated here by `tasks/ruler/generate.py` with upstream's templates, answer prefixes, seeds and length
 rule (prompt tokens + tokens to generate <= length, counted with the evaluated model's tokenizer on the
-chat-rendered prompt), then frozen to JSONL (`tasks/ruler/frozen.py`). The essay and QA tasks read local
+chat-rendered prompt, or on RULER's own template for the model family when the model conf names one in
+`prompt_format`, e.g. "meta-llama3" for Llama-3.1), then frozen to JSONL (`tasks/ruler/frozen.py`). The essay and QA tasks read local
 files in upstream's format (`essay_path`, `squad_path`, `hotpotqa_path`, or `$EVALKIT_RULER_DATA`); the
 default task list needs none. Scoring: upstream's `string_match_all` / `string_match_part`, in percent.
 """
@@ -14,10 +15,10 @@ from __future__ import annotations
 import re
 from dataclasses import asdict
 
-from evalkit.sample import Sample
+from evalkit.sample import PROMPT_SLOT, Sample
 from evalkit.task import Loaded, keep_all, lm_eval_hooks, sha256_rows
 from tasks.ruler import frozen, generate
-from tasks.ruler.constants import NO_DATA_TASKS, TASKS
+from tasks.ruler.constants import MODEL_TEMPLATES, NO_DATA_TASKS, TASKS
 from tasks.ruler.data import RulerData, resolve
 
 # VERSION: bump when the prompts or data handling change (generate.GENERATOR_VERSION keys frozen files)
@@ -39,6 +40,18 @@ def task_list(tasks) -> list[str]:
     return names
 
 
+def model_template(prompt_format: str | None) -> str | None:
+    """RULER's template for a model family, with evalkit's `{prompt}` slot; None keeps the chat template."""
+    if prompt_format is None:
+        return None
+    if prompt_format not in MODEL_TEMPLATES:
+        raise ValueError(
+            f"RULER has no prompt format {prompt_format!r} (model.prompt_format); "
+            f"its formats (scripts/data/template.py): {', '.join(MODEL_TEMPLATES)}"
+        )
+    return MODEL_TEMPLATES[prompt_format].replace("{task_template}", PROMPT_SLOT)
+
+
 def load(
     source: str = "generate",
     n: int | None = None,
@@ -52,15 +65,18 @@ def load(
     english_words_path: str | None = None,
     cache_dir: str | None = None,
     model_context: int | None = None,
+    prompt_format: str | None = None,
     **_,
 ) -> Loaded:
     """Generate (or reuse the frozen) `n` samples per task and length; ordered by length, then task.
-    A length above the evaluated model's context (passed by the runner) is refused, not truncated."""
+    A length above the evaluated model's context (passed by the runner) is refused, not truncated.
+    `prompt_format` (the model conf's) selects RULER's template for the model family."""
     if source != "generate":
         raise ValueError(f"RULER is generated: source must be 'generate', got {source!r}")
     if tokenizer is None:
         raise ValueError("RULER counts tokens with the evaluated model's tokenizer: pass tokenizer=...")
     names, n = task_list(tasks), DEFAULT_N if n is None else n
+    template = model_template(prompt_format)
     needed = {kind for t in names for kind in TASKS[t].data}
     paths = {"essay": essay_path, "squad": squad_path, "hotpotqa": hotpotqa_path}
     data = RulerData({k: resolve(k, p) if k in needed else None for k, p in paths.items()})
@@ -79,17 +95,18 @@ def load(
             kinds = TASKS[task].data + (("english_words",) if task == "cwe" else ())
             files = data.fingerprint(kinds)
             used.update(files)
-            path = frozen.frozen_path(root, task, length, seed, tokenizer, fingerprint, files)
+            path = frozen.frozen_path(root, task, length, seed, tokenizer, fingerprint, files, template)
             got = frozen.read(path, n)
             reused += got is not None
             if got is None:
-                got = generate.generate_task(task, length, n, seed, tokenizer, data)
+                got = generate.generate_task(task, length, n, seed, tokenizer, data, template)
                 frozen.write(path, got)
             samples += got
     src = f"generated:ruler@{generate.GENERATOR_VERSION}" + "".join(
         f";{k}={v}" for k, v in sorted(used.items())
     )
     stats = {"frozen_reused": reused, "frozen_dir": str(root), "tasks": names, "lengths": lengths}
+    stats["prompt_format"] = prompt_format or "chat_template"
     return Loaded(samples, src, sha256_rows([asdict(s) for s in samples]), stats=stats)
 
 
