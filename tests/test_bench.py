@@ -127,6 +127,7 @@ def test_fixed_kv_fills_the_budget_with_the_largest_batch(model, ids):
         assert r["batch"] * r["kv_bytes_per_row"] <= KV_BUDGET < (r["batch"] + 1) * r["kv_bytes_per_row"]
         assert r["kv_bytes_batch"] == r["batch"] * r["kv_bytes_per_row"]
     assert full["kv_slots_per_row"] == 200 + 4 and snap["kv_slots_per_row"] == 64
+    assert full["attn_ms"] > 0 and snap["attn_ms"] > 0  # the attention part of a step, timed per cache
     assert full["gain_vs_full"] == 1 and snap["gain_vs_full"] == round(
         snap["decode_tok_s"] / full["decode_tok_s"], 2
     )
@@ -171,6 +172,7 @@ def test_summary_is_assembled_from_whatever_csvs_are_there(tmp_path):
     assert "Kept from an earlier run (no provenance recorded)" in text
     assert (
         "Measured by this command: `python -m evalkit.bench --only second`" in text
+        and "torch threads)" in text
         and "--quick sizes" in text
     )
     assert "kept from earlier runs (their CSVs): first" in text
@@ -187,14 +189,20 @@ def test_registry_names_its_modules_and_keeps_the_published_file_names():
 
 
 def test_cli_runs_only_what_is_asked_and_writes_csv_provenance_summary(tmp_path, monkeypatch):
+    threads = torch.get_num_threads()
+    two = Measurement("two", "two.csv", "Title of two", lambda ctx: [{"quick": ctx.quick, "threads": torch.get_num_threads()}],
+                      note=lambda rows: "note of two")  # fmt: skip
     monkeypatch.setattr(cli, "MEASUREMENTS", {"one": "one", "two": "two"})
-    monkeypatch.setattr(cli, "measurement", {"one": fake("one"), "two": fake("two")}.__getitem__)
-    cli.main(["--only", "two", "--quick", "--out", str(tmp_path)])
-    assert read_csv(tmp_path / "two.csv") == [{"x": 1, "quick": True}]
+    monkeypatch.setattr(cli, "measurement", {"one": fake("one"), "two": two}.__getitem__)
+    try:
+        cli.main(["--only", "two", "--quick", "--threads", "1", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    assert read_csv(tmp_path / "two.csv") == [{"quick": True, "threads": 1}]
     assert not (tmp_path / "one.csv").exists()
     assert "## Title of two" in (tmp_path / "summary.md").read_text()
     assert (
-        '"command": "python -m evalkit.bench --only two --quick --out'
+        '"command": "python -m evalkit.bench --only two --quick --threads 1 --out'
         in (tmp_path / "provenance.json").read_text()
     )
 
@@ -225,7 +233,8 @@ def test_help_lists_the_measurements(capsys):
 @pytest.mark.parametrize(
     "args, message",
     [(["--bogus"], "unrecognized arguments: --bogus"), (["--only", "decode,decode"], "named twice"),
-     (["--only", ""], "unknown measurement(s) ''"), (["--memory-child", "16k"], "LENGTH:BUDGET")],
+     (["--only", ""], "unknown measurement(s) ''"), (["--memory-child", "16k"], "LENGTH:BUDGET"),
+     (["--threads", "0"], "--threads must be a positive integer")],
 )  # fmt: skip
 def test_bad_arguments_are_usage_errors(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exit_:

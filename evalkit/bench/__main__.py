@@ -43,6 +43,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--only", metavar="NAME[,NAME]", help=f"run only these (default: all of {','.join(names())})"
     )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default: torch's, one per core). On a shared machine use 1: a batched matmul "
+        "whose threads wait on each other at every barrier slows down many times over when another process "
+        "takes a core, which distorts batch-size comparisons",
+    )
     ap.add_argument("--memory-child", help=argparse.SUPPRESS)  # LENGTH:BUDGET, run by the memory measurement
     return ap
 
@@ -90,10 +97,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.memory_child:
         return memory_child(ap, args.memory_child)
     asked = selected(ap, args.only)
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads must be a positive integer, got {args.threads}")
     from evalkit.bench.base import Context, write_csv  # torch: only once the arguments are known good
     from evalkit.bench.summary import record_provenance, write_summary
 
     ctx = Context(quick=args.quick, out=output_folder(ap, args))
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     command = " ".join(["python -m evalkit.bench", *(sys.argv[1:] if argv is None else argv)])
     registered = [measurement(name) for name in names()]
     for m in registered:

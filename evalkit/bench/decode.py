@@ -27,7 +27,7 @@ def decode_speed(model, ids, budgets, steps: int, rounds: int = 6, copy_bytes: i
     bandwidth = Bandwidth(ids.device, copy_bytes, reps=3)
     bandwidth.sample()
     before = [cache.stats()["bytes"] for cache in caches]
-    times = interleaved_steps(model, caches, [first] * len(caches), steps, rounds)
+    times, _ = interleaved_steps(model, caches, [first] * len(caches), steps, rounds)
     # The full cache grows one slot per step: it read, on average, the mean of its sizes before and after.
     kv_read = [(b + cache.stats()["bytes"]) / 2 for b, cache in zip(before, caches)]
     bandwidth.sample()

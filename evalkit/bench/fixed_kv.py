@@ -23,7 +23,14 @@ import torch
 
 from evalkit.bench.base import MIB, Context, Measurement
 from evalkit.bench.roofline import Bandwidth, floor_columns, roofline_note, weight_bytes
-from evalkit.bench.timing import interleaved_steps, label, median_tok_s, prompt_ids, recorded_prefill
+from evalkit.bench.timing import (
+    attention_timer,
+    interleaved_steps,
+    label,
+    median_tok_s,
+    prompt_ids,
+    recorded_prefill,
+)
 from evalkit.kv import Full, KVCache, SnapStream
 from evalkit.kv.prefill import PrefillRecord, populate
 
@@ -83,20 +90,23 @@ def fixed_kv(model, ids, kv_budget: int, budgets, steps: int, rounds: int, copy_
     bandwidth.sample()
     before = [cache.stats()["bytes"] for cache in caches]
     firsts = [first.repeat(p["batch"], 1) for p in plan]  # (B, 1)
-    times = interleaved_steps(model, caches, firsts, steps, rounds)
+    # the attention part of each step: where a batch of compressed rows spends what the full cache spends
+    times, attention = interleaved_steps(model, caches, firsts, steps, rounds, part=attention_timer)
     bandwidth.sample()
     stats = [cache.stats() for cache in caches]
     predicted = predictions(model, methods, ids.shape[1], decoded, kv_budget, bandwidth.median)
+    measured = {"stats": stats, "kv_before": before, "times": times, "attention": attention}
     return rows_for(
-        ids.shape[1], kv_budget, methods, predicted, stats, before, times, model, bandwidth.median
+        ids.shape[1], kv_budget, methods, predicted, measured, weight_bytes(model), bandwidth.median
     )
 
 
-def rows_for(prompt, kv_budget, methods, predicted, stats, before, times, model, bandwidth) -> list[dict]:
+def rows_for(prompt, kv_budget, methods, predicted, measured, weights, bandwidth) -> list[dict]:
     """One row per method: batch (predicted, and measured from the real caches' bytes), tok/s and gain
-    (measured, predicted), KV bytes, roofline."""
-    weights, rows = weight_bytes(model), []
-    for method, p, st, kv0, ts in zip(methods, predicted, stats, before, times):
+    (measured, predicted), KV bytes, attention time, roofline."""
+    rows = []
+    per_method = zip(methods, predicted, *(measured[k] for k in ("stats", "kv_before", "times", "attention")))
+    for method, p, st, kv0, ts, attn in per_method:
         row_bytes = st["rows"][0]["bytes"]  # one row's slots after decoding, all layers, K and V
         tps = median_tok_s(ts, p["batch"])
         rows.append({"prompt_tokens": prompt, "kv_budget_mib": round(kv_budget / MIB, 1), "config": label(method),
@@ -104,6 +114,7 @@ def rows_for(prompt, kv_budget, methods, predicted, stats, before, times, model,
                      "kv_slots_per_row": st["slots"], "kv_bytes_per_row": row_bytes, "kv_bytes_batch": st["bytes"],
                      "kv_reserved_bytes": st["reserved_bytes"],
                      "decode_tok_s": round(tps, 2), "predicted_tok_s": round(p["tok_s"], 2), "steps": len(ts),
+                     "attn_ms": round(1e3 * attn, 4),
                      **floor_columns(p["batch"] / tps, weights, (kv0 + st["bytes"]) / 2, bandwidth)})  # fmt: skip
         print(f"fixed KV {kv_budget / MIB:.0f} MiB, {prompt} tokens, {label(method)} x{p['batch']}: "
               f"{tps:.2f} tok/s (predicted {p['tok_s']:.2f})", flush=True)  # fmt: skip
@@ -129,14 +140,16 @@ def note(rows: list[dict]) -> str:
         f"KV budget {full['kv_budget_mib']:g} MiB, {full['prompt_tokens']}-token prompt. `batch`: the largest "
         "batch whose KV (slots after decoding x bytes per slot, all layers) fits, from evalkit.memory; "
         "`max_batch_measured`: the budget // one real row's bytes after decoding (they must agree). "
-        "`kv_reserved_bytes` is the allocation (the full cache grows geometrically: spare slots). "
+        "`kv_reserved_bytes` is the allocation (the full cache grows geometrically: spare slots). `attn_ms`: "
+        "mean time per step in attention (sdpa over the cache, all layers), the part the KV size drives. "
         "Target: SnapStream tok/s >= 4x the full cache's (paper: up to 4.3x at 4x compression).",
     ]
     for r in rows[1:]:
         lines.append(
             f"{r['config']} x{r['batch']} vs full x{full['batch']}: measured {r['gain_vs_full']}x, predicted "
             f"{r['predicted_gain']}x (evalkit.memory at the measured bandwidth); step at "
-            f"{r['step_pct_of_floor']}% of its roofline floor, full at {full['step_pct_of_floor']}%."
+            f"{r['step_pct_of_floor']}% of its roofline floor, full at {full['step_pct_of_floor']}%; attention "
+            f"{r['attn_ms']:.1f} of {r['step_ms']:.1f} ms per step (full: {full['attn_ms']:.1f} of {full['step_ms']:.1f})."
         )
     return " ".join(lines) + " " + roofline_note()
 

@@ -28,7 +28,7 @@ def record_provenance(out: Path, name: str, command: str, quick: bool) -> None:
 def origin(name: str, measured: set[str], provenance: dict) -> str:
     p = provenance.get(name)
     when = (
-        f"`{p['command']}` at {p['finished']} (git {p['git']})"
+        f"`{p['command']}` at {p['finished']} (git {p['git']}, {p['torch_threads']} torch threads)"
         if p
         else "an earlier run (no provenance recorded)"
     )
@@ -49,7 +49,7 @@ def write_summary(out: Path, measurements: list[Measurement], measured: set[str]
     kept = [m.name for m in present if m.name not in measured]
     lines = ["# evalkit bench (SmolLM2-135M, fp32, CPU)", "",
              f"torch threads: {torch.get_num_threads()}; cores: {psutil.cpu_count()}; command: `{command}`; "
-             f"measured by it: {', '.join(sorted(measured))}"
+             f"measured by it: {', '.join(sorted(measured)) or 'nothing'}"
              + (f"; kept from earlier runs (their CSVs): {', '.join(kept)}" if kept else ""), ""]  # fmt: skip
     for m in present:
         rows = read_csv(out / m.csv)

@@ -3,6 +3,7 @@ from one recorded prefill, interleaved rounds and peak RSS."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -87,14 +88,25 @@ def decode_steps(model, cache, first_token, steps: int) -> list[float]:
     return times
 
 
-def interleaved_steps(model, caches: list, firsts: list, steps: int, rounds: int) -> list[list[float]]:
+def interleaved_steps(
+    model, caches: list, firsts: list, steps: int, rounds: int, part=None
+) -> tuple[list, list]:
     """Decode step times per cache, measured in interleaved rounds (each cache in turn, repeated) so that
-    machine noise and drift hit every configuration alike; the first step of each round is a warm-up."""
+    machine noise and drift hit every configuration alike; the first step of each round is a warm-up.
+
+    Returns (step times per cache, mean seconds per step spent in `part` per cache): `part` makes a CallTimer
+    (e.g. `attention_timer`; CPU only: on CUDA it would time kernel launches), None leaves those at 0."""
     times: list[list[float]] = [[] for _ in caches]
+    spent, forwards = [0.0] * len(caches), [0] * len(caches)
     for _ in range(rounds):
         for i, (cache, first) in enumerate(zip(caches, firsts)):
-            times[i] += decode_steps(model, cache, first, max(2, steps // rounds))[1:]
-    return times
+            timer = part() if part else None
+            with timer or contextlib.nullcontext():
+                ts = decode_steps(model, cache, first, max(2, steps // rounds))
+            times[i] += ts[1:]
+            spent[i] += timer.total if timer else 0.0
+            forwards[i] += len(ts)
+    return times, [s / n for s, n in zip(spent, forwards)]
 
 
 @torch.inference_mode()
