@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 
 import torch
 
@@ -65,20 +66,42 @@ def run(model, tokenizer, methods, length: int = 1500, n: int = 3, max_new_token
     return rows
 
 
-def main() -> None:
-    from evalkit.config import make_method, model_spec
-    from evalkit.models import load_model
+def parse_args(argv: list[str] | None = None):
+    """(arguments, methods), every value checked before the model loads: a bad one is a usage error."""
+    from evalkit.config import ConfigError, check_choice, make_method
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2_135m")
-    ap.add_argument("--length", type=int, default=1500)
-    ap.add_argument("--budget", type=int, default=256)
-    ap.add_argument("-n", type=int, default=3)
-    args = ap.parse_args()
-    model, tokenizer = load_model(model_spec(args.model))
-    methods = [make_method("full")] + [
-        make_method(name, budget=args.budget) for name in ("streamingllm", "snapkv", "snapstream")
-    ]
+    ap = argparse.ArgumentParser(prog="python -m evalkit.demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2_135m", help="a model conf name (conf/model/)")
+    ap.add_argument("--length", type=int, default=1500, help="prompt tokens (more than --budget)")
+    ap.add_argument("--budget", type=int, default=256, help="KV entries kept per layer and head")
+    ap.add_argument("-n", type=int, default=3, help="prompts (needles) per method")
+    args = ap.parse_args(argv)
+    if args.n < 1:
+        ap.error(f"-n must be at least 1, got {args.n}")
+    if args.length <= args.budget:
+        ap.error(
+            f"--length ({args.length}) must exceed --budget ({args.budget}): a prompt that fits is not compressed"
+        )
+    try:
+        check_choice("model", args.model)
+        methods = [make_method("full")] + [
+            make_method(name, budget=args.budget) for name in ("streamingllm", "snapkv", "snapstream")
+        ]
+    except ConfigError as e:
+        ap.error(str(e))
+    return args, methods
+
+
+def main(argv: list[str] | None = None) -> None:
+    from evalkit.config import model_spec
+    from evalkit.models import ModelLoadError, load_model
+
+    args, methods = parse_args(argv)
+    try:
+        model, tokenizer = load_model(model_spec(args.model))
+    except ModelLoadError as e:  # missing weights, no hub access: the message says what to do
+        print(f"python -m evalkit.demo: error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"{'method':<13}{'budget':>7}  {'expected':>9}  {'answer':<28}{'kept':>6}{'KV bytes':>12}")
     for r in run(model, tokenizer, methods, args.length, args.n):
         mark = "ok  " if r["retrieved"] else "MISS"

@@ -12,6 +12,7 @@ matplotlib.use("Agg")  # files only, never a display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from evalkit.memory.sim import GB, TB, Deployment, GiB, MiB  # noqa: E402
+from evalkit.results import save_figure  # noqa: E402
 
 
 def _table(headers: list[str], lines: list[list[Any]]) -> str:
@@ -179,7 +180,7 @@ def render_markdown(dep: Deployment, cfg: dict, tables: dict, paths: dict[str, P
 
 def _savefig(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)  # atomic, like every output
     plt.close(fig)
     return path
 

@@ -12,6 +12,7 @@ import pandas as pd
 
 from evalkit.memory.model import MemoryReportError, kv_geometry, load_hf_config, model_spec
 from evalkit.memory.sim import Deployment, GiB, Hardware, canonical_method, kv_entries
+from evalkit.memory.validate import validate
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def deployment(cfg: dict) -> Deployment:
     )
     hw = Hardware.from_cfg(cfg["hardware"])
     par = cfg["parallel"]
-    return Deployment(spec, hw, int(par["tp"]), par["attention"], float(cfg.get("mtp_factor") or 1.0))
+    return Deployment(spec, hw, par["tp"], par["attention"], float(cfg["mtp_factor"]))
 
 
 def kv_reserve_bytes(cfg: dict) -> int | None:
@@ -48,19 +49,19 @@ def kv_reserve_bytes(cfg: dict) -> int | None:
 
 
 def _batch(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise MemoryReportError(f"batch must be 'max' or a non-negative integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MemoryReportError(f"batch must be 'max' or a positive integer, got {value!r}")
     return value
 
 
 def row(dep: Deployment, cfg: dict, context: int, method: str, budget: int | None) -> dict[str, Any]:
     """One configuration: KV sizes, capacity-limited and reservation-calibrated max batch, placement and
     throughput at the configured batch ("max" = the capacity-limited max batch), SRAM tile."""
-    decode, method = int(cfg.get("decode_len") or 0), canonical_method(method)
+    decode, method = cfg["decode_len"], canonical_method(method)
     entries = kv_entries(method, budget, context, decode)
     max_batch = dep.max_batch(entries)
     max_batch_cal = dep.max_batch(entries, kv_reserve_bytes(cfg))
-    batch = max_batch if str(cfg.get("batch", "max")) == "max" else _batch(cfg["batch"])
+    batch = max_batch if cfg["batch"] == "max" else _batch(cfg["batch"])
     cal = dep.step(max_batch_cal, entries)
     tile = dep.sram_tile_bytes(entries, cfg.get("tile_tokens"))
     return {
@@ -185,13 +186,20 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
     return rows, notes
 
 
+def check(cfg: dict) -> tuple[Deployment, list[dict], list[str]]:
+    """Everything that can fail on bad input, before anything is written: the settings, the model and
+    mapping, the sweep. Returns (deployment, sweep rows, skipped cells)."""
+    validate(cfg)
+    dep = deployment(cfg)
+    return dep, *sweep_rows(dep, cfg)
+
+
 def write_report(cfg: dict) -> dict[str, Path]:
     """Compute everything and write report.csv, report.md and the plots under `<results_dir>/memory/`."""
     from evalkit.memory.render import render_markdown, write_plots  # matplotlib only when writing
 
-    dep = deployment(cfg)
-    rows, skipped = sweep_rows(dep, cfg)
-    paper = paper_check(dep, cfg) if cfg.get("paper_check", True) else []
+    dep, rows, skipped = check(cfg)
+    paper = paper_check(dep, cfg) if cfg["paper_check"] else []
     measured, notes = measured_rows(cfg["results_dir"])
     out = Path(cfg["results_dir"]) / "memory"
     out.mkdir(parents=True, exist_ok=True)

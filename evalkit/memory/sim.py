@@ -74,7 +74,7 @@ class Hardware:
                 hbm_bw=cfg["hbm_tb_s"] * TB,
                 ddr_bw=(cfg.get("ddr_gb_s") or 0) * GB,
                 flops=cfg["bf16_tflops"] * TB,
-                efficiency=float(cfg.get("efficiency", 0.75)),
+                efficiency=float(cfg["efficiency"]),
             )
         except KeyError as e:
             raise MemoryReportError(f"hardware config lacks {e.args[0]!r}") from e
@@ -95,6 +95,10 @@ class Deployment:
 
     def __post_init__(self):
         kv, hw = self.model.kv, self.hw
+        if not self.mtp_factor >= 1:
+            raise MemoryReportError(
+                f"mtp_factor must be >= 1 (accepted tokens per step), got {self.mtp_factor!r}"
+            )
         if self.attention not in ATTENTION_MAPPINGS:
             raise MemoryReportError(f"parallel.attention: {self.attention!r} not in {ATTENTION_MAPPINGS}")
         if self.tp <= 0 or hw.sockets % self.tp:
