@@ -100,4 +100,6 @@ def check_types(cls, settings: dict) -> None:
             ok = any(value is None if t is type(None) else isinstance(value, t) for t in allowed)
         if not ok:
             names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            if key == "budget":  # same words as the dataclass's own check (KV entries per layer and head)
+                names = "a positive integer" + (" or null" if type(None) in allowed else "")
             raise ConfigError(f"method {cls.name}: {key} must be {names}, got {value!r}")

@@ -1,7 +1,8 @@
 """evalkit's lm-eval model, registered as "evalkit": Hugging Face generation through a compressed KV cache.
 
 `EvalkitLM` subclasses lm-eval's `HFLM` (loglikelihood requests keep HFLM's path, which has no cache) and
-replaces generation: every request gets a fresh `KVCache(method)`. For evalkit task docs it renders the prompt
+replaces generation with `evalkit.engine` (continuous batching: each request prefilled into its own compressed
+cache, decoded as one row of a slot pool, a finished row refilled at once). For evalkit task docs it renders the prompt
 itself from the `Sample` fields (chat template, optional system message, assistant prefill = answer prefix)
 and honours the sample's `max_new_tokens`, so `python -m evalkit` and `lm_eval --model evalkit` see identical
 text. With a journal it records each finished generation (resume after a crash) and its KV statistics.
@@ -14,19 +15,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import json
-import time
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
-from lm_eval.models.utils_hf import stop_sequences_criteria
 from tqdm import tqdm
 from transformers import GenerationConfig
 
-from evalkit.kv import Full, KVCache
+from evalkit.kv import Full
 from evalkit.sample import Sample, render_sample
 from evalkit.scoring import request_key
 
@@ -168,6 +166,10 @@ def journaled(journal, prompt: Prompt) -> dict | None:
 class EvalkitLM(HFLM):
     """HFLM whose generations run through `evalkit.kv.KVCache(method)`."""
 
+    # Decode a prompt's budgets (`also`) as rows of one batch; the bench turns it off to measure what it buys
+    # (the budgets then decode one after another, still replaying one prefill). Outputs are the same either way.
+    batch_budgets = True
+
     def __init__(
         self,
         model="smollm2_135m",
@@ -182,6 +184,7 @@ class EvalkitLM(HFLM):
         tokenizer=None,
         device=None,
         max_batch_size=None,  # lm-eval passes it; evalkit batches exactly `batch_size`
+        compile: bool = False,  # compile the decode step (static shapes; CUDA graphs on GPU)
         **method_settings,
     ):
         from evalkit.config import make_method, model_spec
@@ -203,6 +206,7 @@ class EvalkitLM(HFLM):
                 f"batch_size must be a positive integer (no 'auto': prompts are long), got {batch_size!r}"
             )
         self.kv_method, self.spec, self.seed, self.journal = method, spec, seed, journal
+        self.compile = str(compile).lower() in ("true", "1")  # lm-eval's --model_args pass strings
         self.also = list(also)  # [(method, journal)]: other budgets generated from the same prefills
         super().__init__(
             pretrained=hf_model,
@@ -211,52 +215,104 @@ class EvalkitLM(HFLM):
             max_length=max_length or context_length(spec, hf_model.config),
         )
 
-    # --- the hook lm-eval's HFLM calls: a fresh compressed cache per generate call -------------------------
-    def _model_generate(self, context, max_length=None, stop=None, cache=None, **generation_kwargs):
-        cache = cache if cache is not None else KVCache.for_model(self.kv_method, self.model)
-        if stop:
-            generation_kwargs["stopping_criteria"] = stop_sequences_criteria(
-                self.tokenizer, stop, context.shape[1], context.shape[0]
-            )
-        return self.model.generate(input_ids=context, cache=cache, **generation_kwargs)
-
-    # --- generation requests ---------------------------------------------------------------------------------
+    # --- generation requests: lm-eval's requests in, evalkit.engine's continuous batching underneath -------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Generate (or take from the journal) every request; with `also`, other budgets share each prefill."""
+        """Generate (or take from the journal) every request. With `also`, each prompt's other budgets replay its
+        prefill and decode beside it as rows of the same batch; each finished generation is journaled at once."""
+        from evalkit.engine import Engine
+
         results: list[str | None] = [None] * len(requests)
-        todo: list[tuple[int, Prompt]] = []
-        for i, (req, key) in enumerate(zip(requests, keyed(requests))):
-            prompt = self._prompt(req, key)
-            done = self._journaled(self.journal, prompt)
-            if done is not None and all(self._journaled(j, prompt) is not None for _, j in self.also):
-                results[i] = done["text"]
-            else:
-                todo.append((i, prompt))
-        bar = tqdm(total=len(requests), initial=len(requests) - len(todo), desc=self._label(), unit="req",
-                   disable=disable_tqdm)  # fmt: skip
-        for batch in self._batches(todo):
-            prompts = [p for _, p in batch]
-            shared = len(self.also) > 0 and prompts[0].followup is None
-            texts, stats, record = self._run(prompts, self.kv_method, record=shared)
-            for (i, p), text, st in zip(batch, texts, stats):
-                done = self._journaled(self.journal, p)  # resuming a budget list: keep what was scored before
-                results[i] = done["text"] if done is not None else text
-                if self.journal:
-                    self.journal.append(self._record(p, text, st))
-            replay = record if record is not None and record.usable else None
-            for method, journal in self.also:  # the sweep's other budgets: same prompts, prefill replayed
-                if all(self._journaled(journal, p) is not None for p in prompts):
-                    continue
-                other_texts, other_stats, _ = self._run(prompts, method, replay=replay)
-                for p, text, st in zip(prompts, other_texts, other_stats):
-                    journal.append(self._record(p, text, st))
-            bar.update(len(batch))
-            bar.set_postfix(gen_tok_s=f"{stats[-1].get('tokens_per_s', 0):.1f}")
+        jobs = [job for i, req, key in zip(range(len(requests)), requests, keyed(requests))
+                for job in self._jobs(i, self._prompt(req, key), results)]  # fmt: skip
+        methods = 1 + len(self.also)
+        rows = self.batch_size * (methods if self.batch_budgets else 1)
+        engine = Engine(self.model, self.tokenizer, self._eos_ids(), rows=rows,
+                        compile=self.compile)  # fmt: skip
+        bar = tqdm(total=len(requests) * methods, initial=len(requests) * methods - len(jobs), desc=self._label(),
+                   unit="gen", disable=disable_tqdm)  # fmt: skip
+        for done in engine.run(jobs, then=self._followup):
+            job = done.request.tag
+            if job.first is None and job.prompt.followup is not None:
+                continue  # a first call: its follow-up runs next (`_followup`), and is what gets journaled
+            text, stats = self._result(done)
+            if job.journal is not None:
+                job.journal.append(journal_record(job.prompt, text, stats))
+            if job.primary:
+                results[job.index] = text
+            bar.update(1)
+            bar.set_postfix(gen_tok_s=f"{stats['tokens_per_s']:.1f}", idle=f"{engine.idle_fraction():.0%}")
         bar.close()
         return results
 
-    def _journaled(self, journal, prompt: Prompt) -> dict | None:
-        return journaled(journal, prompt)
+    def _jobs(self, i: int, p: Prompt, results: list) -> list:
+        """Engine requests for one lm-eval request: each budget not journaled yet. The first of several keeps its
+        prefill (a record) for the others to replay."""
+        from evalkit.engine import Request
+        from evalkit.kv.prefill import PrefillRecord
+
+        methods = [(self.kv_method, self.journal, True), *((m, j, False) for m, j in self.also)]
+        done = [journaled(j, p) for _, j, _ in methods]
+        if done[0] is not None:
+            results[i] = done[0]["text"]  # resuming a budget list: keep what was scored before
+        todo = [m for m, d in zip(methods, done) if d is None]
+        if not todo:
+            return []
+        ids, truncated = self._encode(p)
+        windows = [getattr(m, "window", 0) for m, _, _ in todo]
+        record = PrefillRecord(window=max(32, *windows)) if len(todo) > 1 and p.followup is None else None
+        return [
+            Request(
+                p.key,
+                ids,
+                p.max_new,
+                m,
+                self._gen_config(p),
+                request_seed(self.seed, p.key),
+                self._until(p),
+                record=record if n == 0 else None,
+                replay=record if n > 0 else None,
+                tag=_Job(i, p, j, primary, truncated),
+            )  # fmt: skip
+            for n, (m, j, primary) in enumerate(todo)
+        ]
+
+    def _followup(self, done):
+        """The second call of a two-call protocol (LongBench CoT): no document, so a full cache at every budget
+        (upstream's compression only ever touched the first call; recorded as followup_method)."""
+        from evalkit.engine import Request
+
+        job = done.request.tag
+        if job.prompt.followup is None or job.first is not None:
+            return None
+        first = finish_text(job.prompt, self.tokenizer.decode(done.tokens, skip_special_tokens=True), [])
+        second = followup_prompt(job.prompt, first, self.tokenizer, self._cap)
+        ids, truncated = self._encode(second)
+        tag = _Job(
+            job.index, job.prompt, job.journal, job.primary, job.truncated, (first, done.stats, second)
+        )
+        return Request(job.prompt.key, ids, second.max_new, Full(), self._gen_config(second), done.request.seed,
+                       self._until(second), tag=tag)  # fmt: skip
+
+    def _result(self, done) -> tuple[str, dict]:
+        """(text, stats) of a finished generation as journaled: the follow-up's text with the first call's stats."""
+        job = done.request.tag
+        last = job.first[2] if job.first is not None else job.prompt
+        text = finish_text(
+            last, self.tokenizer.decode(done.tokens, skip_special_tokens=True), self._until(last)
+        )
+        stats = {**done.stats, "truncated": job.truncated}
+        if job.first is not None:
+            first, first_stats, _ = job.first
+            stats = {**first_stats, "truncated": job.truncated, "followup": done.stats, "first_output": first,
+                     "followup_method": "full"}  # fmt: skip
+        return text, stats
+
+    def _gen_config(self, p: Prompt) -> GenerationConfig:
+        return generation_config(p.gen, p.max_new, self._eos_ids(), self.tokenizer.pad_token_id)
+
+    @staticmethod
+    def _until(p: Prompt) -> list[str]:
+        return [s for s in p.gen.get("until", []) or [] if s]
 
     def _label(self) -> str:
         budgets = [getattr(m, "budget", None) for m in [self.kv_method, *(m for m, _ in self.also)]]
@@ -269,80 +325,6 @@ class EvalkitLM(HFLM):
         """The model conf's cap on new tokens (the embedded CPU model), recorded with the run's config."""
         return min(n, self.spec.max_new_tokens) if self.spec.max_new_tokens else n
 
-    def _batches(self, todo):
-        """Batches of up to batch_size requests that share generation settings (lm-eval order kept).
-
-        Sampled requests run one per generate call: each is seeded from its own key, so its sample does not
-        depend on the batch it lands in, and a resumed run samples exactly what the interrupted one would."""
-        groups: dict[str, list] = {}
-        for item in todo:
-            groups.setdefault(json.dumps(item[1].gen, sort_keys=True, default=str), []).append(item)
-        for items in groups.values():
-            sampled = generation_config(items[0][1].gen, 1, [0], 0).do_sample
-            size = 1 if sampled else max(1, int(self.batch_size))
-            for start in range(0, len(items), size):
-                yield items[start : start + size]
-
-    def _run(self, prompts: list[Prompt], method, record=False, replay=None):
-        """(texts, stats, prefill record) for a batch; a follow-up call (LongBench CoT) runs after the first."""
-        texts, stats, rec = self._generate(prompts, method, record, replay)
-        if prompts[0].followup is None:
-            return texts, stats, rec
-        second = [followup_prompt(p, first, self.tokenizer, self._cap) for p, first in zip(prompts, texts)]
-        # The answer call carries no document: upstream's compression only ever touched the first call, so
-        # evalkit runs it with a full cache at every budget (recorded as followup_method in the stats).
-        finals, second_stats, _ = self._generate(second, Full())
-        for st, st2, first in zip(stats, second_stats, texts):
-            st.update(followup=st2, first_output=first, followup_method="full")
-        return finals, stats, rec
-
-    def _generate(self, prompts: list[Prompt], method, record=False, replay=None):
-        """One batched generate call with a fresh cache of `method`: (texts, per-prompt stats, record)."""
-        from evalkit.kv.prefill import PrefillRecord, shared_prefill
-
-        encoded = [self._encode(p) for p in prompts]
-        ids = [x for x, _ in encoded]
-        width, pad, eos = max(len(x) for x in ids), self.tokenizer.pad_token_id, self._eos_ids()
-        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=self.device)
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=self.device)
-        config = generation_config(prompts[0].gen, max(p.max_new for p in prompts), eos, pad)
-        until = [s for s in prompts[0].gen.get("until", []) or [] if s]
-        windows = [getattr(m, "window", 0) for m in (method, *(m for m, _ in self.also))]
-        rec = PrefillRecord(window=max(32, *windows)) if record else None
-        cache = KVCache.for_model(method, self.model, record=rec, replay=replay)
-        torch.manual_seed(request_seed(self.seed, prompts[0].key))
-        start = time.perf_counter()
-        with torch.inference_mode(), shared_prefill(self.model):
-            out = self._model_generate(input_ids, stop=until or None, attention_mask=mask,
-                                       generation_config=config, cache=cache)  # fmt: skip
-        wall = time.perf_counter() - start
-        texts, stats, rows = [], [], cache.row_stats()
-        for r, p in enumerate(prompts):
-            toks = out[r, width:].tolist()[: p.max_new]
-            ended = next((j for j, t in enumerate(toks) if t in eos), None)
-            toks = toks if ended is None else toks[: ended + 1]
-            text = finish_text(p, self.tokenizer.decode(toks, skip_special_tokens=True), until)
-            row = rows[r]
-            texts.append(text)
-            stats.append(
-                dict(
-                    prompt_tokens=len(ids[r]),
-                    truncated=encoded[r][1],
-                    max_new_tokens=p.max_new,
-                    output_tokens=len(toks),
-                    hit_limit=ended is None and len(toks) >= p.max_new,
-                    wall_s=wall / len(prompts),
-                    tokens_per_s=(out.shape[1] - width) * len(prompts) / max(wall, 1e-9),  # generated, batch
-                    prefill_replayed=replay is not None,
-                    kv_slots=row["slots"],
-                    kv_bytes=row["bytes"],
-                    kv_seen=row["seen"],
-                    kv_kept=row["kept"],
-                    kv_evicted_generated=row["evicted_generated"],
-                )
-            )
-        return texts, stats, rec
-
     def _encode(self, p: Prompt) -> tuple[list[int], bool]:
         return fit_prompt(self.tokenizer, p, self.max_length)
 
@@ -351,5 +333,14 @@ class EvalkitLM(HFLM):
         eos = list(eos) if isinstance(eos, list | tuple) else [eos] if eos is not None else []
         return sorted({*eos, self.tokenizer.eos_token_id} - {None})
 
-    def _record(self, p: Prompt, text: str, stats: dict) -> dict:
-        return journal_record(p, text, stats)
+
+@dataclass
+class _Job:
+    """What the LM needs back from the engine about one request."""
+
+    index: int  # in lm-eval's request list
+    prompt: Prompt
+    journal: object
+    primary: bool  # the LM's own method (its text answers lm-eval), not one of `also`
+    truncated: bool
+    first: tuple | None = None  # a follow-up's (first output, first stats, its Prompt)

@@ -232,6 +232,20 @@ def task_id(lm_eval_task: str) -> str:
     return lm_eval_task.removeprefix(LM_EVAL_PREFIX)
 
 
+# Settings added after runs already existed, with the value that does what those runs did: a saved config that
+# lacks one is read with it, so upgrading evalkit never orphans a finished or half-done run folder.
+ADDED_SETTINGS = {"compile": False}
+
+
+def saved_config(text: str) -> DictConfig:
+    """A run folder's config.yaml, completed with ADDED_SETTINGS it predates."""
+    cfg = OmegaConf.create(text)
+    for key, value in ADDED_SETTINGS.items():
+        if OmegaConf.select(cfg, key, default="<missing>") == "<missing>":
+            OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
 def generation_settings(cfg: DictConfig) -> dict:
     """The resolved config without the keys in NOT_GENERATION: what two runs must share to share a journal."""
     out = OmegaConf.to_container(cfg, resolve=True)

@@ -43,6 +43,7 @@ from evalkit.results import (
     config_yaml,
     generation_yaml,
     run_dir,
+    saved_config,
     write_json,
 )
 from evalkit.scoring import JournalError
@@ -111,6 +112,7 @@ def check_run_settings(cfg: DictConfig) -> None:
         ("batch_size", cfg.get("batch_size"), lambda v: _int(v) and v >= 1, "a positive integer"),
         ("limit", cfg.get("limit"), lambda v: v is None or _int(v) and v >= 1, "null or a positive integer"),
         ("seed", cfg.get("seed"), _int, "an integer"),
+        ("compile", cfg.get("compile"), lambda v: isinstance(v, bool), "true or false"),
         ("task.repeats", cfg.task.get("repeats"), lambda v: _int(v) and v >= 1, "a positive integer"),
         ("task.load.n", cfg.task.load.get("n"), lambda v: v is None or _int(v) and v >= 1, "null (all) or a positive integer"),
     ):  # fmt: skip
@@ -140,7 +142,7 @@ def check_folder(p: Plan) -> None:
     """A folder holding a run of another configuration is refused, never mixed. Settings that only grade or
     score (`task.setup`, the headline) may change: the run is then re-scored from its journal."""
     saved = p.out / "config.yaml"
-    if saved.exists() and generation_yaml(OmegaConf.create(saved.read_text())) != generation_yaml(p.cfg):
+    if saved.exists() and generation_yaml(saved_config(saved.read_text())) != generation_yaml(p.cfg):
         raise ConfigError(
             f"{p.out} holds a run with a different config (see its config.yaml). "
             "Use another results_dir, or delete that folder to redo it."
@@ -256,7 +258,8 @@ def generate(plans: list[Plan], load_kwargs: dict, context: int) -> None:
         atomic_write(q.out / "config.yaml", config_yaml(q.cfg))
     also = [(q.method, q.journal) for q in plans[1:]]
     lm = EvalkitLM(model=p.spec, hf_model=model, tokenizer=tokenizer, batch_size=p.cfg.batch_size,
-                   max_length=context, seed=p.cfg.seed, method=p.method, journal=p.journal, also=also)  # fmt: skip
+                   max_length=context, seed=p.cfg.seed, method=p.method, journal=p.journal, also=also,
+                   compile=p.cfg.compile)  # fmt: skip
     lm_eval_generate(p, lm, load_kwargs)
 
 

@@ -7,7 +7,7 @@ import statistics
 
 from omegaconf import OmegaConf
 
-from evalkit.results import generation_settings, git_sha, short_hash, versions
+from evalkit.results import ADDED_SETTINGS, generation_settings, git_sha, short_hash, versions
 from evalkit.sample import aggregate
 
 
@@ -94,6 +94,12 @@ def identity(plan, loaded) -> dict:
     version, data, generation settings, repeats, limit, seed, batch size)."""
     settings = generation_settings(plan.cfg)
     method = settings.pop("method")
+    for (
+        key,
+        default,
+    ) in ADDED_SETTINGS.items():  # a setting at the value older runs had: same identity as theirs
+        if "." not in key and settings.get(key) == default:
+            settings.pop(key)
     settings.update(task_version=plan.task_module.VERSION, data_hash=loaded.data_hash)
     return {
         "generation": short_hash(settings),

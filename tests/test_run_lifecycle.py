@@ -117,7 +117,7 @@ def test_a_journal_for_other_prompts_is_refused_when_scoring(tmp_path, monkeypat
         (["model.name=../../x"], ConfigError, "model.name must be a plain name"),
         (["method._target_=os.system"], ConfigError, "must name a KV method class in evalkit.kv"),
         (["method.recent=../../y"], ConfigError, "recent must be int or null, got '../../y'"),
-        (["method.budget=abc"], ConfigError, "budget must be int"),
+        (["method.budget=abc"], ConfigError, "budget must be a positive integer"),
         (["+method.recnet=3"], ConfigError, "unknown setting 'recnet'"),
         (["results_dir=/proc/evalkit"], ConfigError, "results_dir: cannot write into /proc/evalkit"),
     ],
@@ -175,7 +175,7 @@ def test_a_second_process_on_the_same_folder_is_refused(tmp_path):
     assert not (out / "generations.jsonl").exists()  # refused before generating anything
 
 
-def test_evalkit_scores_equal_lm_evals_process_results(tmp_path):
+def test_evalkit_scores_equal_lm_evals_process_results(tmp_path, monkeypatch):
     """The runner scores from the journal itself; lm-eval's own path (the YAML's process_results, fed the same
     generations) must give the same per-sample scores."""
     from lm_eval import simple_evaluate
@@ -201,7 +201,9 @@ def test_evalkit_scores_equal_lm_evals_process_results(tmp_path):
         def loglikelihood_rolling(self, requests):
             raise NotImplementedError
 
-    evalkit_lm._model_generate = lambda *a, **k: pytest.fail("a request was not in the journal")
+    from evalkit.engine import Engine
+
+    monkeypatch.setattr(Engine, "_prefill", lambda *a, **k: pytest.fail("a request was not in the journal"))
     meta = {"source": "sample", "n": 2, "seed": 0, "tokenizer": "smollm2_135m"}
     manager = TaskManager(include_path=str(ROOT / "tasks"), include_defaults=False, metadata=meta)
     tasks = get_task_dict(["evalkit_aime24"], manager)

@@ -126,7 +126,7 @@ def test_two_job_sweep_through_joblib(tmp_path):
         ("task=nope", "Available options in 'task'"),
         ("model=nope", "Available options in 'model'"),
         ("method=h2o", "Available options in 'method'"),
-        ("method.budget=abc", "budget must be int"),
+        ("method.budget=abc", "budget must be a positive integer"),
         ("method.budget=0", "budget must be > 0"),
         ("method.recent=500", "sink + recent must be <= budget"),
         ("batch_size=0", "batch_size must be a positive integer"),

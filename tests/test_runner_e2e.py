@@ -34,13 +34,14 @@ def scripted(monkeypatch):
     """Replace the generated text with `script(sample, repeat)`; generation (and its stats) still runs."""
 
     def install(script):
-        real = EvalkitLM._generate
+        real = EvalkitLM._result
 
-        def generate(self, prompts, method, record=False, replay=None):
-            texts, stats, rec = real(self, prompts, method, record, replay)
-            return [script(p.sample, int(p.key.rsplit("/", 1)[1])) for p in prompts], stats, rec
+        def result(self, done):
+            _, stats = real(self, done)
+            p = done.request.tag.prompt
+            return script(p.sample, int(p.key.rsplit("/", 1)[1])), stats
 
-        monkeypatch.setattr(EvalkitLM, "_generate", generate)
+        monkeypatch.setattr(EvalkitLM, "_result", result)
 
     return install
 

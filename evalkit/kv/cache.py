@@ -292,15 +292,23 @@ class KVCache(Cache):
         return self.rows
 
     def _init_step_state(self, rows: Rows, t: int) -> None:
-        """Static caches: the per-step state as device tensors that every decode step updates in place."""
+        """Static caches: the per-step state as device tensors that every decode step updates in place. Each
+        row carries its own layout (sink, ring or append, next free column), so rows of different methods and
+        budgets can share one static cache (`evalkit.engine`'s slot pool)."""
         b, dev = rows.valid.shape[0], rows.valid.device
-        self._sink = min(self.method.blocks()[0], rows.n)  # a constant of the method: safe to specialise on
+        sink = min(self.method.blocks()[0], rows.n)
+        self._sink = torch.full((b,), sink, dtype=torch.long, device=dev)  # (B,) sink slots per row
+        self._ring = torch.full((b,), self.method.ring, dtype=torch.bool, device=dev)  # (B,) ring or append
+        self._slots = torch.full((b,), rows.n, dtype=torch.long, device=dev)  # (B,) slots after prefill
         self._row = torch.arange(b, device=dev)  # (B,) row index, for the writes' advanced indexing
         self._slot = torch.zeros(b, dtype=torch.long, device=dev)  # (B,) slot this step writes, per row
         self._slot_pos = torch.zeros(b, dtype=torch.int32, device=dev)  # (B,) position of this step's token
-        self._next_slot = torch.tensor(rows.n, device=dev)  # () append methods: the next free column
+        self._next_slot = torch.full(
+            (b,), rows.n, dtype=torch.long, device=dev
+        )  # (B,) append: next free column
         self._seen = torch.tensor(t, device=dev)  # () columns seen, pads included
-        pin(rows.valid, rows.next_pos, self._row, self._slot, self._slot_pos, self._next_slot, self._seen)
+        pin(rows.valid, rows.next_pos, rows.tail, self._sink, self._ring, self._slots, self._row, self._slot,
+            self._slot_pos, self._next_slot, self._seen)  # fmt: skip
 
     def seq_length(self) -> int | torch.Tensor:
         """Columns seen, pads included. A static cache answers with a device tensor (as transformers'
@@ -391,10 +399,10 @@ class KVCache(Cache):
         """This step's slot and position per row, the slot marked valid, counters moved on: all in place."""
         rows = self.rows
         p = rows.next_pos  # (B,) this token's position per row
-        if self.method.ring:  # sink + (p - sink) mod tail, sinks below it (short prompts fill them first)
-            slot = torch.where(p < self._sink, p, self._sink + (p - self._sink) % rows.tail)
-        else:  # append: the next free column, the same for every row
-            slot = self._next_slot.expand_as(p)
+        # ring rows: sink + (p - sink) mod tail, sinks below it (short prompts fill them first); append rows: the
+        # row's next free column
+        ring = torch.where(p < self._sink, p, self._sink + (p - self._sink) % rows.tail)
+        slot = torch.where(self._ring, ring, self._next_slot)
         self._slot.copy_(slot)
         self._slot_pos.copy_(p)
         rows.valid[self._row, self._slot] = True
@@ -429,6 +437,93 @@ class KVCache(Cache):
             return None
         filled = torch.tensor(rows.filled, device=dev)
         return (torch.arange(self.visible, device=dev)[None, :] < filled[:, None])[:, None, None, :]
+
+    # --- a slot pool: rows filled one request at a time (continuous batching, evalkit.engine) ------------------
+    @classmethod
+    def pool(cls, like: KVCache, batch: int, capacity: int) -> KVCache:
+        """An empty static cache of `batch` rows and `capacity` slots, shaped like the prefilled one-row cache
+        `like` (layers, heads, head dims, dtype, device). Rows are filled by `load_row`; until then they are idle
+        (one valid slot, ring of one: they decode harmlessly in place)."""
+        pool = cls(like.method, len(like.layers), like.attn_name, static=True, max_new_tokens=1)
+        dev = like.rows.valid.device
+        rows = Rows(lengths=[0] * batch, pad=torch.zeros(batch, dtype=torch.long, device=dev),
+                    tail=torch.ones(batch, dtype=torch.long, device=dev), topk=torch.zeros(batch, dtype=torch.long, device=dev),
+                    n=capacity, base_pos=torch.full((batch, 1), -1, device=dev), candidates=torch.zeros(batch, 1, dtype=torch.bool, device=dev),
+                    valid=torch.zeros(batch, capacity, dtype=torch.bool, device=dev),
+                    next_pos=torch.zeros(batch, dtype=torch.long, device=dev), filled=[0] * batch)  # fmt: skip
+        pool.rows, pool.seen, pool.used, pool._prompt_width, pool._tails = rows, 0, capacity, 0, [1] * batch
+        pool._init_step_state(rows, 0)
+        for src, layer in zip(like.layers, pool.layers):
+            layer.lazy_initialization(src.keys, src.values)
+            h, dk, dv = src.keys.shape[1], src.keys.shape[3], src.values.shape[3]
+            layer.keys = src.keys.new_zeros(batch, h, capacity, dk)
+            layer.values = src.values.new_zeros(batch, h, capacity, dv)
+            layer.pos = src.pos.new_full((batch, h, capacity), -1)
+            pin(layer.keys, layer.values, layer.pos)
+        for r in range(batch):
+            pool.idle_row(r)
+        return pool
+
+    @property
+    def capacity(self) -> int:
+        return self.rows.valid.shape[1]
+
+    def load_row(self, r: int, src: KVCache) -> None:
+        """Row r becomes a copy of the one-row prefilled cache `src` (any method and budget that fits), in place:
+        buffer addresses never change, so a compiled (CUDA-graph) step keeps running on the new row."""
+        n, cap = src.rows.n, self.capacity
+        need = n + (0 if src.method.ring else (src.max_new_tokens or 0))
+        if need > cap:
+            raise ValueError(f"a request needs {need} slots, the pool has {cap} (grow it first)")
+        for mine, theirs in zip(self.layers, src.layers):
+            mine.keys[r].zero_()
+            mine.values[r].zero_()
+            mine.pos[r].fill_(-1)
+            mine.keys[r, :, :n].copy_(theirs.keys[0, :, :n])
+            mine.values[r, :, :n].copy_(theirs.values[0, :, :n])
+            mine.pos[r, :, :n].copy_(theirs.pos[0, :, :n])
+        rows = self.rows
+        rows.valid[r].fill_(False)
+        rows.valid[r, :n].copy_(src.rows.valid[0, :n])
+        rows.next_pos[r] = src.rows.next_pos[0]
+        rows.tail[r] = src.rows.tail[0]
+        rows.lengths[r] = src.rows.lengths[0]
+        self._sink[r] = min(src.method.blocks()[0], n)
+        self._ring[r] = src.method.ring
+        self._slots[r] = n
+        self._next_slot[r] = n
+
+    def idle_row(self, r: int) -> None:
+        """Row r holds no request: a ring of one slot at 0 (valid, so its softmax stays finite), never read."""
+        self.rows.valid[r].fill_(False)
+        self.rows.valid[r, 0] = True
+        self.rows.tail[r], self._sink[r], self._ring[r], self._slots[r] = 1, 0, True, 1
+
+    def grow_pool(self, capacity: int) -> None:
+        """More slots per row (a longer request arrived): new buffers, contents kept. A compiled step sees a new
+        shape and compiles once more."""
+        extra = capacity - self.capacity
+        if extra <= 0:
+            return
+        for layer in self.layers:
+            layer.grow(capacity)
+            pin(layer.keys, layer.values, layer.pos)
+        self.rows.valid = torch.cat(
+            [self.rows.valid, self.rows.valid.new_zeros(self.rows.valid.shape[0], extra)], 1
+        )
+        self.used = capacity
+        pin(self.rows.valid)
+
+    def row_report(self, r: int) -> dict:
+        """Row r's KV figures, as `row_stats` reports a one-row cache: seen, kept, evicted (of them generated),
+        slots held (a ring's whole budget, an append row's written slots) and their bytes."""
+        kept = int(self.rows.valid[r].sum())
+        seen, length = int(self.rows.next_pos[r]), self.rows.lengths[r]
+        kept_generated = int(((self.layers[0].pos[r, 0] >= length) & self.rows.valid[r]).sum())
+        slots = int(self._slots[r]) if bool(self._ring[r]) else kept
+        per_slot = sum(lay.entry_bytes() for lay in self.layers) // self.rows.valid.shape[0]
+        return {"seen": seen, "kept": kept, "evicted": seen - kept, "evicted_generated": seen - length - kept_generated,
+                "slots": slots, "bytes": per_slot * slots}  # fmt: skip
 
     # --- reporting ------------------------------------------------------------------------------------------
     def stats(self) -> dict:

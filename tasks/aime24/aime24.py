@@ -74,7 +74,8 @@ def _bare(text: str, start: int) -> str | None:
 
 def last_boxed(text: str) -> str | None:
     """Content of the last `\\boxed{...}` / `\\fbox{...}` whose braces close, or of a last `\\boxed N` without
-    braces; a cut-off or empty last box is passed over for the one before it."""
+    braces; a cut-off last box, or an empty brace-less one (`\\boxed $`), is passed over for the one before
+    it. An empty `\\boxed{}` is a box read as nothing (the spec takes the last `\\boxed{`, brace-matched)."""
     for m in reversed(list(BOX.finditer(text))):
         braced = text.startswith("{", m.end())
         content = _braced(text, m.end()) if braced else _bare(text, m.end())

@@ -1,0 +1,255 @@
+"""Continuous batching over evalkit's compressed caches: a queue of requests, a fixed pool of rows, refill on finish.
+
+Each request is prefilled alone (its own compressed cache, or replayed from another budget's recorded prefill,
+`evalkit.kv.prefill`), then copied into a free row of one static slot pool (`KVCache.pool`): every row keeps its
+own method, budget, ring and positions, so rows of different budgets of one prompt decode side by side, and a row
+that finishes (EOS, a stop string, its token limit) takes the next request at once instead of idling until the
+longest row of a static batch ends. Token choice is transformers' own (float32 logits, the temperature / top-k /
+top-p warpers, softmax, multinomial), with one random generator per request seeded from its key: a request
+samples the same whatever row, batch or moment it lands in, and a resumed run samples what the killed one would.
+
+    engine = Engine(model, eos_ids=[2], rows=8)
+    for done in engine.run(requests):   # in completion order
+        journal(done.request, done.tokens, done.stats)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from evalkit.kv import KVCache
+from evalkit.kv.prefill import PrefillRecord, shared_prefill
+
+
+@dataclass(eq=False)
+class Request:
+    key: str
+    ids: list[int]  # prompt tokens (already fitted to the context)
+    max_new: int
+    method: object
+    config: GenerationConfig  # do_sample, temperature, top_k, top_p (lm.generation_config)
+    seed: int  # this request's own sampling seed
+    until: list[str] = field(default_factory=list)  # stop strings (lm-eval's `until`)
+    record: PrefillRecord | None = None  # keep this prefill for the requests that replay it
+    replay: PrefillRecord | None = None  # take the prefill from this record instead of running it
+    tag: object = None  # the caller's
+    replayed: bool = False  # set at prefill: the prefill came from a record
+
+
+@dataclass
+class Done:
+    request: Request
+    tokens: list[int]  # generated, the EOS included when it ended there
+    ended: str  # "eos", "stop" or "limit"
+    stats: dict  # the row's KV figures, timing
+
+
+@dataclass(eq=False)
+class _Row:
+    request: Request
+    tokens: list[int]
+    stops: list  # lm-eval's MultiTokenEOSCriteria, one per stop string
+    generator: torch.Generator | None
+    warpers: LogitsProcessorList
+    prefill_s: float
+    share_s: float = 0.0  # this row's share of the decode steps' wall time
+
+
+class Engine:
+    """Decode many requests through one pool of `rows` rows. `continuous=False` is static batching (a batch is
+    refilled only when all its rows are done), kept for comparison. `compile=True` compiles the decode step once
+    per (rows, slots) shape (`evalkit.kv.generate.compile_config`)."""
+
+    def __init__(
+        self, model, tokenizer, eos_ids: list[int], rows: int, continuous: bool = True, compile=False
+    ):
+        self.model, self.tokenizer, self.eos = model, tokenizer, set(eos_ids)
+        self.n_rows, self.continuous = rows, continuous
+        self.step_fn = model.forward
+        if compile:  # True (inductor) or a torch.compile backend
+            from evalkit.kv.generate import compile_config
+
+            cfg = compile_config(model, backend="inductor" if compile is True else compile)
+            self.step_fn = torch.compile(model.forward, fullgraph=cfg.fullgraph, dynamic=cfg.dynamic,
+                                         backend=cfg.backend, mode=cfg.mode)  # fmt: skip
+        self.pool: KVCache | None = None
+        self.steps = 0
+        self.row_steps = 0  # rows x steps decoded
+        self.idle_row_steps = 0  # of them, rows holding no request
+        self.generated = 0
+        self.started = 0.0
+
+    # --- the loop ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(
+        self, requests: Iterable[Request], then: Callable[[Done], Request | None] | None = None
+    ) -> Iterator[Done]:
+        """Every request's generation, in completion order. `then(done)` may return a follow-up request (a
+        two-call protocol), which runs next, ahead of the queue."""
+        queue = deque(requests)
+        self.capacity = max((self._need(r) for r in queue), default=1)
+        live: list[_Row | None] = [None] * self.n_rows
+        last = torch.zeros(self.n_rows, dtype=torch.long, device=self.model.device)  # (rows,) last token
+        self.started = time.perf_counter()
+        while queue or any(live):
+            if self.continuous or not any(live):
+                for done in self._refill(queue, live, last):
+                    yield from self._finish(done, queue, then)
+            if not any(live):
+                continue
+            for done in self._step(live, last):
+                yield from self._finish(done, queue, then)
+
+    def _finish(self, done: Done, queue: deque, then) -> Iterator[Done]:
+        follow = then(done) if then is not None else None
+        if follow is not None:
+            self.capacity = max(self.capacity, self._need(follow))
+            queue.appendleft(follow)
+        yield done
+
+    def _refill(self, queue: deque, live: list, last: torch.Tensor) -> Iterator[Done]:
+        """Free rows take the next requests (prefilled alone, then copied in)."""
+        for r in range(self.n_rows):
+            while live[r] is None and queue:
+                req = queue.popleft()
+                start = time.perf_counter()
+                cache, logits = self._prefill(req)
+                row = self._new_row(req, time.perf_counter() - start)
+                token = self._choose(row, logits)
+                ended = self._append(row, token)
+                if ended is not None:  # done at its first token: it never needs a row
+                    yield self._done(row, ended, cache.row_stats()[0])
+                    continue
+                if self.pool is None:
+                    self.pool = KVCache.pool(cache, self.n_rows, self.capacity)
+                elif self.pool.capacity < self.capacity:
+                    self.pool.grow_pool(self.capacity)
+                self.pool.load_row(r, cache)
+                live[r], last[r] = row, token
+
+    def _step(self, live: list, last: torch.Tensor) -> Iterator[Done]:
+        """One decode step of every row: a token each, the finished rows released."""
+        start = time.perf_counter()
+        positions = self.pool.rows.next_pos.clone()[:, None]  # (rows, 1) this token's position per row
+        out = self.step_fn(input_ids=last[:, None], position_ids=positions, cache=self.pool, use_cache=True,
+                           **self._keep_last())  # fmt: skip
+        logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)  # (rows, V)
+        greedy = torch.argmax(logits, dim=-1)
+        active = [r for r, row in enumerate(live) if row is not None]
+        finished = []
+        for r in active:
+            row = live[r]
+            token = int(greedy[r]) if row.generator is None else self._choose(row, logits[r : r + 1])
+            ended = self._append(row, token)
+            last[r] = token
+            if ended is not None:
+                finished.append((r, ended))
+        wall = time.perf_counter() - start
+        for r in active:
+            live[r].share_s += wall / len(active)
+        self.steps += 1
+        self.row_steps += self.n_rows
+        self.idle_row_steps += self.n_rows - len(active)
+        for r, ended in finished:
+            yield self._done(live[r], ended, self.pool.row_report(r))
+            live[r] = None
+            self.pool.idle_row(r)
+
+    # --- one request ---------------------------------------------------------------------------------------------
+    def _prefill(self, req: Request) -> tuple[KVCache, torch.Tensor]:
+        """The request's own one-row cache after its prefill, and the last position's float32 logits (1, V)."""
+        replay = (
+            req.replay
+            if req.replay is not None and req.replay.usable and req.replay.logits is not None
+            else None
+        )
+        cache = KVCache.for_model(
+            req.method, self.model, record=req.record, replay=replay, max_new_tokens=req.max_new
+        )
+        ids = torch.tensor([req.ids], device=self.model.device)
+        with shared_prefill(self.model):
+            out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True,
+                             **self._keep_last())  # fmt: skip
+        req.replayed, req.replay = replay is not None, None  # the record is freed once its budgets are all in
+        return cache, out.logits[:, -1].to(copy=True, dtype=torch.float32)
+
+    def _new_row(self, req: Request, prefill_s: float) -> _Row:
+        from lm_eval.models.utils_hf import MultiTokenEOSCriteria
+
+        cfg = req.config
+        generator, warpers = None, LogitsProcessorList()
+        if cfg.do_sample:  # transformers' warpers for these settings, in its order
+            generator = torch.Generator(device=self.model.device).manual_seed(req.seed)
+            if cfg.temperature is not None and cfg.temperature != 1.0:
+                warpers.append(TemperatureLogitsWarper(cfg.temperature))
+            if cfg.top_k is not None and cfg.top_k != 0:
+                warpers.append(TopKLogitsWarper(top_k=cfg.top_k, min_tokens_to_keep=1))
+            if cfg.top_p is not None and cfg.top_p < 1.0:
+                warpers.append(TopPLogitsWarper(top_p=cfg.top_p, min_tokens_to_keep=1))
+        stops = [MultiTokenEOSCriteria(s, self.tokenizer, 0, 1) for s in req.until]
+        return _Row(req, [], stops, generator, warpers, prefill_s)
+
+    def _choose(self, row: _Row, logits: torch.Tensor) -> int:
+        """transformers' token choice: argmax, or warpers, softmax and one multinomial draw from the row's own
+        generator (the same stream as generate's global one seeded with the request's seed)."""
+        if row.generator is None:
+            return int(torch.argmax(logits, dim=-1)[0])
+        scores = row.warpers(None, logits)
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, num_samples=1, generator=row.generator)[0, 0])
+
+    def _append(self, row: _Row, token: int) -> str | None:
+        """Add a token; why the request ends here (transformers' stopping criteria), or None."""
+        row.tokens.append(token)
+        self.generated += 1
+        if token in self.eos:
+            return "eos"
+        if row.stops:
+            ids = torch.tensor([row.tokens])
+            if any(bool(stop(ids, None)) for stop in row.stops):
+                return "stop"
+        return "limit" if len(row.tokens) >= row.request.max_new else None
+
+    def _done(self, row: _Row, ended: str, kv: dict) -> Done:
+        req = row.request
+        stats = dict(
+            prompt_tokens=len(req.ids), max_new_tokens=req.max_new, output_tokens=len(row.tokens),
+            hit_limit=ended == "limit", wall_s=row.prefill_s + row.share_s,
+            tokens_per_s=self.generated / max(time.perf_counter() - self.started, 1e-9),  # the engine's, so far
+            prefill_replayed=req.replayed,
+            kv_slots=kv["slots"], kv_bytes=kv["bytes"], kv_seen=kv["seen"], kv_kept=kv["kept"],
+            kv_evicted_generated=kv["evicted_generated"],
+        )  # fmt: skip
+        return Done(req, row.tokens, ended, stats)
+
+    def _need(self, req: Request) -> int:
+        """Slots a request needs in the pool: a ring's budget, or an append cache's kept prompt + its tokens."""
+        if req.method.ring:
+            return req.method.budget
+        budget = getattr(req.method, "budget", None)
+        kept = len(req.ids) if budget is None else min(len(req.ids), budget)
+        return kept + req.max_new
+
+    def _keep_last(self) -> dict:
+        """logits_to_keep=1 where the model takes it, as generate passes it (same numbers, less work)."""
+        import inspect
+
+        if not hasattr(self, "_keep"):
+            self._keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        return {"logits_to_keep": 1} if self._keep else {}
+
+    def idle_fraction(self) -> float:
+        """Share of decoded row-steps that held no request (static batching's waste)."""
+        return self.idle_row_steps / self.row_steps if self.row_steps else 0.0

@@ -1,0 +1,137 @@
+"""Continuous batching (`evalkit.engine`): every request decodes exactly as `model.generate` would alone (greedy
+and sampled, every method, any row count), finished rows are refilled at once, a prompt's budgets share one
+prefill and decode as rows of one batch, and the compiled step is one graph across refills."""
+
+import pytest
+import torch
+
+from evalkit.engine import Engine, Request
+from evalkit.kv import Full, SnapKV, SnapStream, StreamingLLM, generate
+from evalkit.kv.prefill import PrefillRecord
+from evalkit.lm import generation_config
+from tests.conftest import tiny_model
+from tests.test_compile import Counting
+
+METHODS = [Full(), StreamingLLM(budget=48), SnapKV(budget=64, window=16), SnapStream(budget=64, recent=16, window=8),
+           SnapStream(budget=48, recent=16, window=8, spare_slots="ring")]  # fmt: skip
+LENGTHS = (150, 40, 90, 200, 20)  # longer and shorter than the budgets
+NEW = 24
+
+
+class Tok:
+    """Decoding is only needed for stop strings; these tests stop on EOS and limits."""
+
+    def batch_decode(self, ids):
+        return ["".join(chr(97 + t % 26) for t in row) for row in ids.tolist()]
+
+
+def prompts(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def settings(sample: bool, new: int = NEW):
+    return generation_config({"temperature": 0.8, "top_p": 0.9} if sample else {}, new, [0], 0)
+
+
+def alone(model, ids, method, sample, seed, new=NEW):
+    """What `model.generate` makes of one request by itself (the reference)."""
+    torch.manual_seed(seed)
+    out, _ = generate(model, torch.tensor([ids]), method, generation_config=settings(sample, new))
+    return out[0, len(ids) :].tolist()
+
+
+def engine_run(model, requests, rows, **kw):
+    engine = Engine(model, Tok(), [0], rows, **kw)
+    return {d.request.key: d for d in engine.run(requests)}, engine
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("sample", [False, True])
+def test_every_request_decodes_as_generate_alone(arch, sample):
+    model = tiny_model(arch, seed=3)
+    ids = prompts()
+    for method in METHODS:
+        want = [alone(model, x, method, sample, 100 + i) for i, x in enumerate(ids)]
+        for rows in (1, 3):
+            reqs = [Request(str(i), x, NEW, method, settings(sample), 100 + i) for i, x in enumerate(ids)]
+            got, _ = engine_run(model, reqs, rows)
+            assert [got[str(i)].tokens for i in range(len(ids))] == want, (method, rows)
+
+
+def test_finished_rows_are_refilled_at_once_and_static_batching_idles():
+    model = tiny_model("llama", seed=3)
+    ids = prompts() * 2
+    limits = [4, 30, 8, 30, 6, 30, 5, 30, 7, 30]  # an AIME-like mix of short and long generations
+    reqs = lambda: [Request(str(i), x, n, SnapStream(budget=64, recent=16, window=8), settings(False, n), i)  # noqa: E731
+                    for i, (x, n) in enumerate(zip(ids, limits))]  # fmt: skip
+    cont, c = engine_run(model, reqs(), rows=4)
+    stat, s = engine_run(model, reqs(), rows=4, continuous=False)
+    assert {k: d.tokens for k, d in cont.items()} == {k: d.tokens for k, d in stat.items()}
+    assert all(len(cont[str(i)].tokens) <= n for i, n in enumerate(limits))
+    assert c.steps < s.steps and c.idle_fraction() < s.idle_fraction()
+    # continuously batched, a row idles only once the queue is empty: at most rows-1 rows x the longest tail
+    assert c.idle_row_steps <= 3 * 30
+
+
+def test_a_prompts_budgets_share_one_prefill_and_decode_side_by_side(monkeypatch):
+    model = tiny_model("llama", seed=3)
+    ids = prompts()[3]  # 200 tokens
+    budgets = [SnapStream(budget=b, recent=16, window=8) for b in (48, 64, 96)] + [
+        SnapKV(budget=80, window=16)
+    ]
+    want = [alone(model, ids, m, True, 7) for m in budgets]
+    forwards = []
+    real = model.forward
+
+    def counting(*args, **kwargs):
+        forwards.append(kwargs["input_ids"].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counting)
+    record = PrefillRecord(window=32)
+    reqs = [Request(str(n), ids, NEW, m, settings(True), 7, record=record if n == 0 else None,
+                    replay=record if n else None) for n, m in enumerate(budgets)]  # fmt: skip
+    got, engine = engine_run(model, reqs, rows=4)
+    assert [got[str(n)].tokens for n in range(4)] == want  # each budget as if run alone
+    assert [got[str(n)].stats["prefill_replayed"] for n in range(4)] == [False, True, True, True]
+    assert [s[1] for s in forwards].count(200) == 1  # one prefill forward for the four budgets
+    assert engine.steps == NEW - 1  # the four decoded together: one step per token, not four
+    assert [got[str(n)].stats["kv_slots"] for n in range(3)] == [48, 64, 96]
+
+
+def compiled_equals_eager(arch: str, limits: list[int], min_steps: int):
+    torch._dynamo.reset()
+    model = tiny_model(arch, seed=3)
+    ids = (prompts() * 4)[: len(limits)]
+    methods = [SnapStream(budget=32, recent=16, window=8), StreamingLLM(budget=24)]
+    reqs = lambda: [Request(str(i), x, n, methods[i % 2], settings(False, n), i)  # noqa: E731
+                    for i, (x, n) in enumerate(zip(ids, limits))]  # fmt: skip
+    eager, _ = engine_run(model, reqs(), rows=3)
+    backend = Counting()
+    compiled, engine = engine_run(model, reqs(), rows=3, compile=backend)
+    assert {k: d.tokens for k, d in compiled.items()} == {k: d.tokens for k, d in eager.items()}
+    assert engine.steps >= min_steps and backend.compiled == 1 and backend.runs == engine.steps
+    torch._dynamo.reset()
+
+
+def test_compiled_step_is_one_graph_over_512_steps_across_refills_and_equals_eager():
+    compiled_equals_eager(
+        "llama", [40, 200, 60, 250, 30] * 4, min_steps=512
+    )  # 16-slot rings wrap, rows refill
+
+
+def test_compiled_mla_step_is_one_graph_across_refills_and_equals_eager():
+    compiled_equals_eager("deepseek_v3", [40, 90, 30, 60, 20, 50], min_steps=80)
+
+
+def test_smollm2_rows_equal_one_row(smollm2):
+    model, tokenizer = smollm2
+    text = "The quick brown fox jumps over the lazy dog. " * 30
+    ids = [tokenizer(text[i * 7 :])["input_ids"][: 120 + 40 * i] for i in range(4)]
+    method = SnapStream(budget=96, recent=16, window=8)
+    reqs = lambda: [Request(str(i), x, NEW, method, settings(False), i) for i, x in enumerate(ids)]  # noqa: E731
+    one, _ = engine_run(model, reqs(), rows=1)
+    four, _ = engine_run(model, reqs(), rows=4)
+    assert {k: d.tokens for k, d in four.items()} == {k: d.tokens for k, d in one.items()}
+    assert one["0"].tokens == alone(model, ids[0], method, False, 0)
