@@ -19,6 +19,7 @@ MEASUREMENTS = {
     "steps": "steps",
     "profile": "profile_step",
     "batch": "batch",
+    "continuous": "continuous",
     "sweep": "sweep",
 }
 
