@@ -20,6 +20,8 @@ MEASUREMENTS = {
     "profile": "profile_step",
     "batch": "batch",
     "sweep": "sweep",
+    "compiled": "compiled",
+    "grading": "grading",
 }
 
 
