@@ -5,13 +5,13 @@ bundled sample one problem at a time (lm-eval's order) versus pooled across prob
 
 Overhead is the wall time of a sandboxed empty program minus that of the same interpreter started plainly
 (`python -I -c pass`); throughput runs trivial programs, and trivial LiveCodeBench gradings (driver, one
-stdin test), on `--workers` parallel sandboxes. `grading_bench()` is importable (e.g. from `make bench`).
+stdin test), on `--workers` parallel sandboxes. The per-problem vs pooled grading is `evalkit.bench.grading`
+(`make bench ARGS="--only grading"`), run here at `--k` and `--workers`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -19,8 +19,8 @@ import sys
 import time
 
 from evalkit import sandbox
+from evalkit.bench.grading import grading_bench
 from tasks.livecodebench import grade
-from tasks.livecodebench import livecodebench as lcb
 
 
 def timed(fn, n: int) -> list[float]:
@@ -30,36 +30,6 @@ def timed(fn, n: int) -> list[float]:
         fn()
         out.append(time.perf_counter() - t)
     return out
-
-
-def sample_predictions(k: int) -> list[tuple[list[str], lcb.Sample]]:
-    """k distinct predictions per bundled problem: its reference and wrong solutions (timeouts included),
-    cycled, each copy made distinct by a comment so that the grading memo cannot merge them."""
-    sols = json.loads((lcb.SAMPLE.parent / "solutions.json").read_text())
-    items = []
-    for s in lcb.load().samples:
-        codes = [sols[s.id]["reference"], *sols[s.id]["wrong"].values()]
-        items.append(([f"```python\n{codes[i % len(codes)]}\n# copy {i}\n```" for i in range(k)], s))
-    return items
-
-
-def grading_bench(k: int = 4, workers: int | None = None, timeout_s: float = 6.0) -> dict:
-    """Wall seconds to grade the bundled sample (10 problems x k predictions) per problem, as lm-eval calls
-    `score` one document at a time (each problem's k in parallel), and pooled across problems with
-    `score_many`; both start from an empty memo and must give the same scores."""
-    grade.configure(workers=workers, timeout_s=timeout_s)
-    items = sample_predictions(k)
-    timings, scores = {}, {}
-    for mode in ("per_problem", "pooled"):
-        grade._memo.clear()
-        t = time.perf_counter()
-        scores[mode] = [lcb.score(p, s) for p, s in items] if mode == "per_problem" else lcb.score_many(items)
-        timings[mode] = time.perf_counter() - t
-    assert scores["per_problem"] == scores["pooled"]
-    grade._memo.clear()
-    return {"problems": len(items), "k": k, "workers": workers or os.cpu_count(), "timeout_s": timeout_s,
-            "per_problem_s": round(timings["per_problem"], 2), "pooled_s": round(timings["pooled"], 2),
-            "speedup": round(timings["per_problem"] / timings["pooled"], 2)}  # fmt: skip
 
 
 def main() -> None:

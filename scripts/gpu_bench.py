@@ -3,7 +3,7 @@
 Llama-3.1-8B-shaped (all 32 layers, bf16, sdpa) and DeepSeek-V3-shaped MLA (a few dense layers of the real
 widths): prefill time with transformers' DynamicCache vs SnapStream, then decode tokens/s for the full cache
 vs SnapStream budgets, then eager vs compiled decode (`compile: true`: the static cache through
-torch.compile, CUDA graphs via mode="reduce-overhead"; scripts/compile_bench.py) with the memory floor.
+torch.compile, CUDA graphs via mode="reduce-overhead"; evalkit.bench.compiled) with the memory floor.
 `python scripts/gpu_bench.py [--tokens 32768] [--device cuda] [--layers N] [--no-compile]`;
 `--device cpu --tokens 1024 --layers 2 --small` is a CPU smoke run of the script itself.
 """
@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 
 import torch
-from compile_bench import compiled_decode  # scripts/ is on sys.path when this file runs as a script
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from evalkit.bench import decode_speed, prefill_overhead
+from evalkit.bench.compiled import ALL_MODES, compiled_decode
 from evalkit.kv import Full, SnapStream, attach
 
 LLAMA_31_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -56,9 +56,7 @@ def run(model, tokens: int, budgets, steps: int, device: str, compiled: bool) ->
            "decode": decode_speed(model, ids, budgets, steps, rounds=4)}  # fmt: skip
     if compiled:
         methods = [SnapStream(budget=budgets[0]), Full()]
-        res["compiled_decode"] = [
-            row for m in methods for row in compiled_decode(model, ids, m, steps, rounds=4)
-        ]
+        res["compiled_decode"] = compiled_decode(model, ids, methods, steps, rounds=4, modes=ALL_MODES)
     if device.startswith("cuda"):
         res["peak_gpu_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return res

@@ -12,6 +12,9 @@ times, are the point):
   profile.csv           top operators of one decode step (torch.profiler; full tables in profile.txt)
   batch_throughput.csv  long decodes (AIME-style) at batch 1, 4, 8
   sweep_prefill.csv     a 4-budget RULER sweep: one shared prefill per prompt vs 4 separate runs
+  compiled_decode.csv   decode tokens/s eager vs compiled (static cache, torch.compile), full and SnapStream 512
+                        after 2k-16k-token prompts, with compile time, token agreement, roofline and flatness
+  grading.csv           LiveCodeBench grading of the bundled sample, one problem at a time vs pooled
 `provenance.json` says which command, preset and commit wrote each CSV.
 """
 

@@ -21,6 +21,8 @@ MEASUREMENTS = {
     "batch": "batch",
     "continuous": "continuous",
     "sweep": "sweep",
+    "compiled": "compiled",
+    "grading": "grading",
 }
 
 
