@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -472,3 +473,73 @@ def test_grading_row_ratio_and_agreement():
     ]
     with pytest.raises(ValueError, match="k must be a positive integer"):
         grading.sample_predictions(0)
+
+
+# --- continuous vs static batching ------------------------------------------------------------------
+def test_aime_like_lengths_are_seeded_skewed_and_bounded():
+    from evalkit.bench.continuous import aime_like_lengths
+
+    lengths = aime_like_lengths(200, 256)
+    assert lengths == aime_like_lengths(200, 256)  # drawn once: both modes decode the same requests
+    assert min(lengths) >= 16 and max(lengths) <= 256
+    assert sorted(lengths)[100] < sum(lengths) / len(lengths)  # a long tail above the median
+
+
+def test_continuous_rows_idle_less_than_static_with_identical_outputs(model):
+    from evalkit.bench.continuous import bench_continuous
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (20 + 3 * i,), generator=gen).tolist() for i in range(10)]
+    static, cont = bench_continuous(
+        model, prompts, longest=48, rows=4, method=SnapStream(budget=32, recent=8, window=4)
+    )
+    assert (static["mode"], cont["mode"]) == ("static", "continuous")
+    assert static["tokens"] == cont["tokens"] > 10 * 3  # forced lengths: every request decodes its own
+    assert cont["outputs_identical"] is True and static["outputs_identical"] is True
+    # static batches wait for their longest row: more steps, idle rows; continuous idles only at the tail
+    assert static["decode_steps"] > cont["decode_steps"]
+    assert static["idle_row_fraction"] > cont["idle_row_fraction"]
+    assert cont["gain_vs_static"] == round(cont["tokens_per_s"] / static["tokens_per_s"], 2)
+
+
+# --- the 4-budget sweep ---------------------------------------------------------------------------------
+def test_sweep_modes_run_the_right_budgets_batched_or_not_and_compare_texts(tmp_path, monkeypatch):
+    import evalkit.config
+    import evalkit.run
+    from evalkit.bench import sweep
+    from evalkit.lm import EvalkitLM
+
+    seen = []
+
+    def fake_run(cfg):  # writes one journal per budget, as the runner does
+        budgets = cfg["budget"]
+        seen.append((budgets, EvalkitLM.batch_budgets))
+        time.sleep(0.01 * len(seen))  # some wall time to divide by
+        for b in budgets if isinstance(budgets, list) else [budgets]:
+            folder = Path(cfg["results_dir"]) / "runs" / str(b)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "generations.jsonl").write_text(json.dumps({"key": "k/0", "text": f"t{b}"}) + "\n")
+
+    def fake_compose(overrides):
+        cfg = dict(o.split("=", 1) for o in overrides)
+        cfg["budget"] = json.loads(cfg["method.budget"])
+        return cfg
+
+    monkeypatch.setattr(evalkit.run, "run", fake_run)
+    monkeypatch.setattr(evalkit.config, "compose", fake_compose)
+    rows = sweep.bench_sweep(tmp_path, [1, 2, 3, 4], [])
+    assert seen == [
+        (3, True),
+        (1, True),
+        (2, True),
+        (3, True),
+        (4, True),
+        ([1, 2, 3, 4], False),
+        ([1, 2, 3, 4], True),
+    ]
+    assert EvalkitLM.batch_budgets is True  # restored
+    assert [r["budgets"] for r in rows] == [1, 4, 4, 4]
+    assert all(r["outputs_identical"] is True for r in rows[1:])
+    assert (
+        rows[0]["x_one_run"] == 1.0 and rows[1]["x_one_run"] > rows[3]["x_one_run"] > 1
+    )  # 2+3+4+5 vs 7, vs 1

@@ -34,22 +34,24 @@ def aime_like_prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
-def requests(tokenizer, lengths: list[int], method) -> list:
+def requests(prompts: list[list[int]], lengths: list[int], method) -> list:
+    """Greedy requests of forced lengths (no EOS: the engine gets none)."""
     from evalkit.engine import Request
     from evalkit.lm import generation_config
 
-    prompts = aime_like_prompts(tokenizer, len(lengths))
     return [
-        Request(f"r{i}", ids, n, method, generation_config({}, n, [], tokenizer.pad_token_id), seed=i)
-        for i, (ids, n) in enumerate(zip(prompts, lengths))
+        Request(f"r{i}", ids, n, method, generation_config({}, n, [], 0), seed=i)
+        for i, (ids, n) in enumerate(zip(prompts, lengths, strict=True))
     ]
 
 
-def decode_all(model, tokenizer, reqs: list, rows: int, continuous: bool) -> tuple[dict, dict]:
+def decode_all(model, reqs: list, rows: int, continuous: bool) -> tuple[dict, dict]:
     """(row of figures, tokens per request key) for one scheduling mode."""
     from evalkit.engine import Engine
 
-    engine = Engine(model, tokenizer, eos_ids=[], rows=rows, continuous=continuous)
+    engine = Engine(
+        model, None, eos_ids=[], rows=rows, continuous=continuous
+    )  # no stop strings: no tokenizer
     start = time.perf_counter()
     tokens = {done.request.key: done.tokens for done in engine.run(reqs)}
     wall = time.perf_counter() - start
@@ -61,11 +63,12 @@ def decode_all(model, tokenizer, reqs: list, rows: int, continuous: bool) -> tup
     return row, tokens
 
 
-def bench_continuous(model, tokenizer, n: int, longest: int, rows: int = 8) -> list[dict]:
-    lengths = aime_like_lengths(n, longest)
-    method = SnapStream(budget=256)
-    static, static_tokens = decode_all(model, tokenizer, requests(tokenizer, lengths, method), rows, False)
-    cont, cont_tokens = decode_all(model, tokenizer, requests(tokenizer, lengths, method), rows, True)
+def bench_continuous(model, prompts: list[list[int]], longest: int, rows: int = 8, method=None) -> list[dict]:
+    """Static then continuous batching of the same requests (one per prompt, lengths drawn once)."""
+    lengths = aime_like_lengths(len(prompts), longest)
+    method = method or SnapStream(budget=256)
+    static, static_tokens = decode_all(model, requests(prompts, lengths, method), rows, False)
+    cont, cont_tokens = decode_all(model, requests(prompts, lengths, method), rows, True)
     same = static_tokens == cont_tokens
     for r in (static, cont):
         r.update(longest=longest, median_length=int(np.median(lengths)), outputs_identical=same)
@@ -74,7 +77,8 @@ def bench_continuous(model, tokenizer, n: int, longest: int, rows: int = 8) -> l
 
 
 def run(ctx: Context) -> list[dict]:
-    return bench_continuous(ctx.model, ctx.tokenizer, *ctx.size((16, 64), (48, 256)))
+    n, longest = ctx.size((16, 64), (48, 256))
+    return bench_continuous(ctx.model, aime_like_prompts(ctx.tokenizer, n), longest)
 
 
 def note(rows: list[dict]) -> str:

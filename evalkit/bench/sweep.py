@@ -61,22 +61,21 @@ def bench_sweep(tmp: Path, budgets: list[int], task: list[str]) -> list[dict]:
         "shared prefill, budgets decoded in turn": ([[listed]], False),
         "shared prefill, budgets decoded as one batch": ([[listed]], True),
     }
-    rows, outputs = [], {}
+    rows, outputs, walls = [], {}, []
     for i, (mode, (overrides, batched)) in enumerate(modes.items()):
         folder = tmp / f"mode{i}"
         start = time.perf_counter()
         with budgets_batched(batched):
             for extra in overrides:
                 run(compose(overrides=[*base, *extra, f"results_dir={folder}"]))
-        rows.append({"mode": mode, "budgets": len(budgets) if i else 1,
-                     "wall_s": round(time.perf_counter() - start, 1)})  # fmt: skip
+        walls.append(time.perf_counter() - start)
+        rows.append({"mode": mode, "budgets": len(budgets) if i else 1, "wall_s": round(walls[-1], 1)})
         outputs[mode] = texts(folder)
         print(f"{mode}: {rows[-1]['wall_s']} s", flush=True)
-    one = rows[0]["wall_s"]
     sweeps = [m for m in modes if m != "one run"]
     same = all(outputs[m] == outputs[sweeps[0]] for m in sweeps) and len(outputs[sweeps[0]]) > 0
-    for r in rows:
-        r["x_one_run"] = round(r["wall_s"] / one, 2)
+    for r, wall in zip(rows, walls):
+        r["x_one_run"] = round(wall / walls[0], 2)
         r["outputs_identical"] = same if r["mode"] != "one run" else ""
     return rows
 
