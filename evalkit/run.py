@@ -299,8 +299,9 @@ def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
 
     samples, task, k = evaluated(p, loaded), p.cfg.task.lm_eval_task, int(p.cfg.task.repeats)
     rows = score_journal(p.task_module, samples, p.journal, task, k, tokenizer)
-    reused = sum(key in p.journal.loaded_keys for key in request_keys(task, len(samples), k))
-    counts = {"from_journal": reused, "generated_now": len(samples) * k - reused}  # resumed, or a re-score
+    keys = request_keys(task, len(samples), k)
+    now = sum(key in p.journal.generated_keys for key in keys)  # what this process really generated
+    counts = {"from_journal": len(keys) - now, "generated_now": now}  # resumed, or a re-score
     metrics = summarize(p, loaded, rows, model_config(p.spec, resolve_source(p.spec)), context, counts)
     if setup is not None:
         metrics["task_setup"] = setup
