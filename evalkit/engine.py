@@ -15,6 +15,7 @@ samples the same whatever row, batch or moment it lands in, and a resumed run sa
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -78,12 +79,14 @@ class Engine:
         self.model, self.tokenizer, self.eos = model, tokenizer, set(eos_ids)
         self.n_rows, self.continuous = rows, continuous
         self.step_fn = model.forward
-        if compile:  # True (inductor) or a torch.compile backend
+        self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        if (
+            compile
+        ):  # True (inductor) or a torch.compile backend; transformers' own compiled call, as generate's
             from evalkit.kv.generate import compile_config
 
             cfg = compile_config(model, backend="inductor" if compile is True else compile)
-            self.step_fn = torch.compile(model.forward, fullgraph=cfg.fullgraph, dynamic=cfg.dynamic,
-                                         backend=cfg.backend, mode=cfg.mode)  # fmt: skip
+            self.step_fn = model.get_compiled_call(cfg)
         self.pool: KVCache | None = None
         self.steps = 0
         self.row_steps = 0  # rows x steps decoded
@@ -99,6 +102,7 @@ class Engine:
         """Every request's generation, in completion order. `then(done)` may return a follow-up request (a
         two-call protocol), which runs next, ahead of the queue."""
         queue = deque(requests)
+        del requests  # the queue alone holds requests (and their prefill records) until they run
         self.capacity = max((self._need(r) for r in queue), default=1)
         live: list[_Row | None] = [None] * self.n_rows
         last = torch.zeros(self.n_rows, dtype=torch.long, device=self.model.device)  # (rows,) last token
@@ -134,8 +138,8 @@ class Engine:
                     continue
                 if self.pool is None:
                     self.pool = KVCache.pool(cache, self.n_rows, self.capacity)
-                elif self.pool.capacity < self.capacity:
-                    self.pool.grow_pool(self.capacity)
+                elif self.pool.capacity < self.capacity:  # by half again at least: few regrowths, recompiles
+                    self.pool.grow_pool(max(self.capacity, self.pool.capacity * 3 // 2))
                 self.pool.load_row(r, cache)
                 live[r], last[r] = row, token
 
@@ -146,16 +150,18 @@ class Engine:
         out = self.step_fn(input_ids=last[:, None], position_ids=positions, cache=self.pool, use_cache=True,
                            **self._keep_last())  # fmt: skip
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)  # (rows, V)
-        greedy = torch.argmax(logits, dim=-1)
+        greedy = torch.argmax(logits, dim=-1)  # (rows,)
+        chosen = greedy.tolist()  # one host read per step, not one per row
         active = [r for r, row in enumerate(live) if row is not None]
         finished = []
         for r in active:
             row = live[r]
-            token = int(greedy[r]) if row.generator is None else self._choose(row, logits[r : r + 1])
-            ended = self._append(row, token)
-            last[r] = token
+            if row.generator is not None:
+                chosen[r] = self._choose(row, logits[r : r + 1])
+            ended = self._append(row, chosen[r])
             if ended is not None:
                 finished.append((r, ended))
+        last.copy_(torch.tensor(chosen, device=last.device))  # one host-to-device write
         wall = time.perf_counter() - start
         for r in active:
             live[r].share_s += wall / len(active)
@@ -182,7 +188,9 @@ class Engine:
         with shared_prefill(self.model):
             out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True,
                              **self._keep_last())  # fmt: skip
-        req.replayed, req.replay = replay is not None, None  # the record is freed once its budgets are all in
+        # the owner and each replaying request drop their reference once prefilled, so a prompt's record lives
+        # only until its last budget is in (a record holds the prompt's whole K/V)
+        req.replayed, req.replay, req.record = replay is not None, None, None
         return cache, out.logits[:, -1].to(copy=True, dtype=torch.float32)
 
     def _new_row(self, req: Request, prefill_s: float) -> _Row:
@@ -216,8 +224,8 @@ class Engine:
         self.generated += 1
         if token in self.eos:
             return "eos"
-        if row.stops:
-            ids = torch.tensor([row.tokens])
+        if row.stops:  # lm-eval's criteria read only their last sequence_id_len tokens
+            ids = torch.tensor([row.tokens[-max(s.sequence_id_len for s in row.stops) :]])
             if any(bool(stop(ids, None)) for stop in row.stops):
                 return "stop"
         return "limit" if len(row.tokens) >= row.request.max_new else None
@@ -244,10 +252,6 @@ class Engine:
 
     def _keep_last(self) -> dict:
         """logits_to_keep=1 where the model takes it, as generate passes it (same numbers, less work)."""
-        import inspect
-
-        if not hasattr(self, "_keep"):
-            self._keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         return {"logits_to_keep": 1} if self._keep else {}
 
     def idle_fraction(self) -> float:

@@ -225,12 +225,16 @@ class EvalkitLM(HFLM):
         jobs = [job for i, req, key in zip(range(len(requests)), requests, keyed(requests))
                 for job in self._jobs(i, self._prompt(req, key), results)]  # fmt: skip
         methods = 1 + len(self.also)
-        rows = self.batch_size * (methods if self.batch_budgets else 1)
+        rows = max(
+            1, min(self.batch_size * (methods if self.batch_budgets else 1), len(jobs))
+        )  # no empty rows
         engine = Engine(self.model, self.tokenizer, self._eos_ids(), rows=rows,
                         compile=self.compile)  # fmt: skip
         bar = tqdm(total=len(requests) * methods, initial=len(requests) * methods - len(jobs), desc=self._label(),
                    unit="gen", disable=disable_tqdm)  # fmt: skip
-        for done in engine.run(jobs, then=self._followup):
+        finished = engine.run(jobs, then=self._followup)
+        del jobs  # the engine's queue holds them now: a job's prefill record is freed once its budgets are in
+        for done in finished:
             job = done.request.tag
             if job.first is None and job.prompt.followup is not None:
                 continue  # a first call: its follow-up runs next (`_followup`), and is what gets journaled
@@ -284,12 +288,12 @@ class EvalkitLM(HFLM):
         job = done.request.tag
         if job.prompt.followup is None or job.first is not None:
             return None
-        first = finish_text(job.prompt, self.tokenizer.decode(done.tokens, skip_special_tokens=True), [])
+        text = self.tokenizer.decode(done.tokens, skip_special_tokens=True)
+        first = finish_text(job.prompt, text, self._until(job.prompt))
         second = followup_prompt(job.prompt, first, self.tokenizer, self._cap)
         ids, truncated = self._encode(second)
-        tag = _Job(
-            job.index, job.prompt, job.journal, job.primary, job.truncated, (first, done.stats, second)
-        )
+        tag = _Job(job.index, job.prompt, job.journal, job.primary, job.truncated,
+                   (first, done.stats, second, truncated))  # fmt: skip
         return Request(job.prompt.key, ids, second.max_new, Full(), self._gen_config(second), done.request.seed,
                        self._until(second), tag=tag)  # fmt: skip
 
@@ -302,9 +306,9 @@ class EvalkitLM(HFLM):
         )
         stats = {**done.stats, "truncated": job.truncated}
         if job.first is not None:
-            first, first_stats, _ = job.first
-            stats = {**first_stats, "truncated": job.truncated, "followup": done.stats, "first_output": first,
-                     "followup_method": "full"}  # fmt: skip
+            first, first_stats, _, second_truncated = job.first
+            stats = {**first_stats, "truncated": job.truncated, "first_output": first, "followup_method": "full",
+                     "followup": {**done.stats, "truncated": second_truncated}}  # fmt: skip
         return text, stats
 
     def _gen_config(self, p: Prompt) -> GenerationConfig:
@@ -343,4 +347,4 @@ class _Job:
     journal: object
     primary: bool  # the LM's own method (its text answers lm-eval), not one of `also`
     truncated: bool
-    first: tuple | None = None  # a follow-up's (first output, first stats, its Prompt)
+    first: tuple | None = None  # a follow-up's (first output, first stats, its Prompt, its prompt cut)

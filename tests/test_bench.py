@@ -518,7 +518,8 @@ def test_sweep_modes_run_the_right_budgets_batched_or_not_and_compare_texts(tmp_
         for b in budgets if isinstance(budgets, list) else [budgets]:
             folder = Path(cfg["results_dir"]) / "runs" / str(b)
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / "generations.jsonl").write_text(json.dumps({"key": "k/0", "text": f"t{b}"}) + "\n")
+            text = f"t{b}" + ("!" if differ and len(seen) == 7 else "")  # the last mode decodes otherwise
+            (folder / "generations.jsonl").write_text(json.dumps({"key": "k/0", "text": text}) + "\n")
 
     def fake_compose(overrides):
         cfg = dict(o.split("=", 1) for o in overrides)
@@ -527,6 +528,10 @@ def test_sweep_modes_run_the_right_budgets_batched_or_not_and_compare_texts(tmp_
 
     monkeypatch.setattr(evalkit.run, "run", fake_run)
     monkeypatch.setattr(evalkit.config, "compose", fake_compose)
+    differ = True
+    assert all(r["outputs_identical"] is False for r in sweep.bench_sweep(tmp_path / "a", [1, 2, 3, 4], [])[1:])
+    seen.clear()
+    differ = False
     rows = sweep.bench_sweep(tmp_path, [1, 2, 3, 4], [])
     assert seen == [
         (3, True),

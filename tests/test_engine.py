@@ -2,6 +2,9 @@
 and sampled, every method, any row count), finished rows are refilled at once, a prompt's budgets share one
 prefill and decode as rows of one batch, and the compiled step is one graph across refills."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -19,10 +22,13 @@ NEW = 24
 
 
 class Tok:
-    """Decoding is only needed for stop strings; these tests stop on EOS and limits."""
+    """A token is one letter (id % 26): enough for lm-eval's stop-string criteria."""
 
     def batch_decode(self, ids):
         return ["".join(chr(97 + t % 26) for t in row) for row in ids.tolist()]
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) - 97 for c in text]
 
 
 def prompts(seed=1):
@@ -92,7 +98,11 @@ def test_a_prompts_budgets_share_one_prefill_and_decode_side_by_side(monkeypatch
     record = PrefillRecord(window=32)
     reqs = [Request(str(n), ids, NEW, m, settings(True), 7, record=record if n == 0 else None,
                     replay=record if n else None) for n, m in enumerate(budgets)]  # fmt: skip
+    held = weakref.ref(record)
+    del record
     got, engine = engine_run(model, reqs, rows=4)
+    gc.collect()
+    assert held() is None  # the prompt's K/V record is freed once its budgets are in, not kept to the end
     assert [got[str(n)].tokens for n in range(4)] == want  # each budget as if run alone
     assert [got[str(n)].stats["prefill_replayed"] for n in range(4)] == [False, True, True, True]
     assert [s[1] for s in forwards].count(200) == 1  # one prefill forward for the four budgets
@@ -135,3 +145,16 @@ def test_smollm2_rows_equal_one_row(smollm2):
     four, _ = engine_run(model, reqs(), rows=4)
     assert {k: d.tokens for k, d in four.items()} == {k: d.tokens for k, d in one.items()}
     assert one["0"].tokens == alone(model, ids[0], method, False, 0)
+
+
+def test_a_stop_string_ends_the_request_where_it_first_appears():
+    model = tiny_model("llama", seed=3)
+    ids = prompts()[0]
+    method = SnapStream(budget=64, recent=16, window=8)
+    free = alone(model, ids, method, False, 0, new=40)
+    text = Tok().batch_decode(torch.tensor([free]))[0]
+    stop = text[12:15]  # three letters the free generation spells at tokens 12-14 (or earlier)
+    end = text.index(stop) + len(stop)
+    req = Request("s", ids, 40, method, settings(False, 40), 0, until=[stop])
+    got, _ = engine_run(model, [req], rows=2)
+    assert got["s"].ended == "stop" and got["s"].tokens == free[:end]

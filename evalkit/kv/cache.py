@@ -476,9 +476,8 @@ class KVCache(Cache):
         if need > cap:
             raise ValueError(f"a request needs {need} slots, the pool has {cap} (grow it first)")
         for mine, theirs in zip(self.layers, src.layers):
-            mine.keys[r].zero_()
-            mine.values[r].zero_()
-            mine.pos[r].fill_(-1)
+            # slots from n on keep the last occupant's (finite) K/V: masked until written, never read
+            mine.pos[r, :, n:].fill_(-1)
             mine.keys[r, :, :n].copy_(theirs.keys[0, :, :n])
             mine.values[r, :, :n].copy_(theirs.values[0, :, :n])
             mine.pos[r, :, :n].copy_(theirs.pos[0, :, :n])
@@ -498,6 +497,7 @@ class KVCache(Cache):
         self.rows.valid[r].fill_(False)
         self.rows.valid[r, 0] = True
         self.rows.tail[r], self._sink[r], self._ring[r], self._slots[r] = 1, 0, True, 1
+        self.rows.next_pos[r] = 0  # its positions never reach another row's rotary scaling (dynamic RoPE)
 
     def grow_pool(self, capacity: int) -> None:
         """More slots per row (a longer request arrived): new buffers, contents kept. A compiled step sees a new
