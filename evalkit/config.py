@@ -87,7 +87,7 @@ def check_types(cls, settings: dict) -> None:
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     for key, value in settings.items():
-        if key == "_target_":
+        if key in ("_target_", "budget"):  # budget: each method's own check names the rule (_check_budget)
             continue
         if key not in fields:
             raise ConfigError(
@@ -100,6 +100,4 @@ def check_types(cls, settings: dict) -> None:
             ok = any(value is None if t is type(None) else isinstance(value, t) for t in allowed)
         if not ok:
             names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-            if key == "budget":  # same words as the dataclass's own check (KV entries per layer and head)
-                names = "a positive integer" + (" or null" if type(None) in allowed else "")
             raise ConfigError(f"method {cls.name}: {key} must be {names}, got {value!r}")

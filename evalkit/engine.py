@@ -31,6 +31,7 @@ from transformers.generation.logits_process import (
 )
 
 from evalkit.kv import KVCache
+from evalkit.kv.cache import slots_needed
 from evalkit.kv.prefill import PrefillRecord, shared_prefill
 
 
@@ -243,12 +244,8 @@ class Engine:
         return Done(req, row.tokens, ended, stats)
 
     def _need(self, req: Request) -> int:
-        """Slots a request needs in the pool: a ring's budget, or an append cache's kept prompt + its tokens."""
-        if req.method.ring:
-            return req.method.budget
-        budget = getattr(req.method, "budget", None)
-        kept = len(req.ids) if budget is None else min(len(req.ids), budget)
-        return kept + req.max_new
+        """Slots a request needs in the pool."""
+        return slots_needed(req.method, len(req.ids), req.max_new)
 
     def _keep_last(self) -> dict:
         """logits_to_keep=1 where the model takes it, as generate passes it (same numbers, less work)."""

@@ -87,6 +87,16 @@ def keyed(requests) -> list[str]:
     return keys
 
 
+def stop_strings(p: Prompt) -> list[str]:
+    """The request's stop strings (lm-eval's `until`), empty ones dropped."""
+    return [s for s in p.gen.get("until", []) or [] if s]
+
+
+def new_tokens_cap(spec, n: int) -> int:
+    """The model conf's cap on new tokens (the embedded CPU model), recorded with the run's config."""
+    return min(n, spec.max_new_tokens) if spec.max_new_tokens else n
+
+
 def request_prompt(req, key: str, tokenizer, limit: int, cap) -> Prompt:
     """The prompt of one request: evalkit docs are rendered from their Sample (chat template, prefill) and keep
     their own `max_new_tokens` within `limit`; a plain lm-eval task's context is used as lm-eval rendered it."""
@@ -316,7 +326,7 @@ class EvalkitLM(HFLM):
 
     @staticmethod
     def _until(p: Prompt) -> list[str]:
-        return [s for s in p.gen.get("until", []) or [] if s]
+        return stop_strings(p)
 
     def _label(self) -> str:
         budgets = [getattr(m, "budget", None) for m in [self.kv_method, *(m for m, _ in self.also)]]
@@ -326,8 +336,7 @@ class EvalkitLM(HFLM):
         return request_prompt(req, key, self.tokenizer, self.max_gen_toks, self._cap)
 
     def _cap(self, n: int) -> int:
-        """The model conf's cap on new tokens (the embedded CPU model), recorded with the run's config."""
-        return min(n, self.spec.max_new_tokens) if self.spec.max_new_tokens else n
+        return new_tokens_cap(self.spec, n)
 
     def _encode(self, p: Prompt) -> tuple[list[int], bool]:
         return fit_prompt(self.tokenizer, p, self.max_length)

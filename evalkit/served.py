@@ -48,11 +48,14 @@ from evalkit.lm import (
     journal_record,
     journaled,
     keyed,
+    new_tokens_cap,
     request_prompt,
     request_seed,
+    stop_strings,
 )
 from evalkit.models import ModelLoadError, ModelSpec
 from evalkit.results import write_json
+from evalkit.sample import TEMPLATE_KEY
 
 APIS = ("completions", "chat")
 TRANSIENT = {408, 409, 425, 429}  # and every 5xx: worth another attempt; any other 4xx is final
@@ -242,7 +245,7 @@ class _Served:
         self._failed: list[str] = []
 
     def _cap(self, n: int) -> int:
-        return min(n, self.spec.max_new_tokens) if self.spec.max_new_tokens else n
+        return new_tokens_cap(self.spec, n)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         prompts = [request_prompt(r, k, self.prompt_tokenizer, self._max_gen_toks, self._cap)
@@ -305,7 +308,7 @@ class _Served:
         out = self._text(choice)
         if not isinstance(out, str):
             raise _Final(f"the answer holds no text: {body[:300]!r}")
-        until = [s for s in p.gen.get("until", []) or [] if s]
+        until = stop_strings(p)
         tokens = usage.get("completion_tokens")
         if not isinstance(tokens, int):  # the server reports no usage: count the text with the tokenizer
             tokens = len(self.prompt_tokenizer(out, add_special_tokens=False)["input_ids"])
@@ -329,7 +332,7 @@ class _Served:
         """lm-eval's request body for this API with the task's decoding settings, as evalkit decodes in process:
         greedy unless the task samples, top_p / top_k only when sampling, top_k only when set (servers differ)."""
         decode = generation_config(p.gen, p.max_new, [0], 0)
-        gen = {"max_gen_toks": p.max_new, "until": [s for s in p.gen.get("until", []) or [] if s],
+        gen = {"max_gen_toks": p.max_new, "until": stop_strings(p),
                "temperature": decode.temperature if decode.do_sample else 0.0}  # fmt: skip
         if decode.do_sample:
             gen["top_p"] = decode.top_p
@@ -368,6 +371,11 @@ class ServedChat(_Served, LocalChatCompletion):
         if s is None:
             raise _Final(
                 "the chat API needs evalkit's sample fields (a plain lm-eval task: use api=completions)"
+            )
+        if s.rendered or s.meta.get(TEMPLATE_KEY):  # the task's own template: a chat template would wrap it again
+            raise _Final(
+                f"task {s.task} renders its own prompt template (e.g. livecodebench_r1, RULER's meta-llama3); "
+                "the chat API would wrap it in the server's chat template: use model.api=completions"
             )
         messages = [{"role": "system", "content": s.system}] if s.system else []
         messages.append({"role": "user", "content": s.prompt})

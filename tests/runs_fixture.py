@@ -9,6 +9,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from evalkit.results import short_hash
 from evalkit.sample import aggregate
 
 SMOL_CONFIG = {  # the fields of SmolLM2-135M's config.json the memory model reads
@@ -16,10 +17,6 @@ SMOL_CONFIG = {  # the fields of SmolLM2-135M's config.json the memory model rea
     "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152,
     "tie_word_embeddings": True,
 }  # fmt: skip
-
-
-def _hash16(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def sample_row(sid: str, repeat_scores: list[dict], subset: str = "", prompt_hash: str | None = None) -> dict:
@@ -86,7 +83,7 @@ def write_run(
         "scorer_version": scorer_version,
         "headline": headline,
         "model": {"name": model, "source": "fixture", "dtype": "float32", "hf_config": SMOL_CONFIG},
-        "method": {"name": method, "budget": budget, **settings, "conf": tag},
+        "method": {"name": method, "budget": budget, **settings, "conf": method, "tag": tag},  # as summary.py
         "budget": budget,
         "n": len(rows),
         "data": {"source": "sample", "hash": data_hash, "stats": {}},
@@ -106,9 +103,9 @@ def write_run(
         del metrics["scorer_version"]
     if identity:
         metrics["identity"] = {
-            "generation": _hash16(generation),
-            "method": _hash16(metrics["method"]),
-            "scoring": _hash16({"scorer_version": scorer_version}),
+            "generation": short_hash(generation),
+            "method": short_hash(metrics["method"]),
+            "scoring": short_hash({"scorer_version": scorer_version}),
         }
     (folder / "metrics.json").write_text(json.dumps(metrics))
     (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

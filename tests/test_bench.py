@@ -529,7 +529,9 @@ def test_sweep_modes_run_the_right_budgets_batched_or_not_and_compare_texts(tmp_
     monkeypatch.setattr(evalkit.run, "run", fake_run)
     monkeypatch.setattr(evalkit.config, "compose", fake_compose)
     differ = True
-    assert all(r["outputs_identical"] is False for r in sweep.bench_sweep(tmp_path / "a", [1, 2, 3, 4], [])[1:])
+    assert all(
+        r["outputs_identical"] is False for r in sweep.bench_sweep(tmp_path / "a", [1, 2, 3, 4], [])[1:]
+    )
     seen.clear()
     differ = False
     rows = sweep.bench_sweep(tmp_path, [1, 2, 3, 4], [])

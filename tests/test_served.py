@@ -304,6 +304,20 @@ def test_the_chat_api_continues_an_answer_prefix():
     assert payload["continue_final_message"] is True and payload["add_generation_prompt"] is False
 
 
+@pytest.mark.parametrize("own", [dict(rendered=True), dict(meta={"prompt_template": "meta-llama3"})])
+def test_the_chat_api_refuses_a_prompt_that_carries_its_own_template(own):
+    """livecodebench_r1's raw DeepSeek string, RULER's meta-llama3 text: a server's chat template would wrap them."""
+    from evalkit.lm import Prompt
+    from evalkit.sample import Sample
+    from evalkit.served import ServedChat, ServedSpec, _Final
+
+    spec = ServedSpec(name="s", base_url="http://127.0.0.1:9/v1", api="chat")
+    chat = ServedChat(spec, None, 1024, journal=None, report={"model": {"id": "m"}})
+    s = Sample(id="1", task="t", prompt="<｜User｜>Q?<｜Assistant｜>", answers=["a"], max_new_tokens=8, **own)
+    with pytest.raises(_Final, match="use model.api=completions"):
+        chat._payload(Prompt("t/0/0/0", "unused", 8, {"until": []}, s), "unused")
+
+
 # --- a real server: transformers serve with the embedded SmolLM2 ------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:

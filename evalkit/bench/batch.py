@@ -5,15 +5,13 @@ from __future__ import annotations
 import time
 
 from evalkit.bench.base import Context, Measurement
+from evalkit.bench.continuous import aime_like_texts
 from evalkit.kv import SnapStream, generate
 
 
 def bench_batch(model, tok, batches, new_tokens: int) -> list[dict]:
     """The same requests at each batch size through `evalkit.kv.generate` (left padding, per-row ring slots)."""
-    questions = [f"Problem {i}: find the remainder when {7 + i}^{100 + i} is divided by 1000. Reason step by step."
-                 for i in range(max(batches))]  # fmt: skip
-    texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-             for q in questions]  # fmt: skip
+    texts = aime_like_texts(tok, max(batches))
     rows = []
     for b in batches:
         start = time.perf_counter()

@@ -25,13 +25,16 @@ def aime_like_lengths(n: int, longest: int, seed: int = 0) -> list[int]:
     return [int(x) for x in np.clip(draws, longest // 16, longest).round()]
 
 
-def aime_like_prompts(tokenizer, n: int) -> list[list[int]]:
-    """Short chat prompts (AIME problems are a few hundred tokens)."""
+def aime_like_texts(tokenizer, n: int) -> list[str]:
+    """Short chat prompts (AIME problems are a few hundred tokens), rendered by the model's chat template."""
     questions = [f"Problem {i}: find the remainder when {7 + i}^{100 + i} is divided by 1000. Reason step by step."
                  for i in range(n)]  # fmt: skip
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                           add_generation_prompt=True) for q in questions]  # fmt: skip
-    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                          add_generation_prompt=True) for q in questions]  # fmt: skip
+
+
+def aime_like_prompts(tokenizer, n: int) -> list[list[int]]:
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in aime_like_texts(tokenizer, n)]
 
 
 def requests(prompts: list[list[int]], lengths: list[int], method) -> list:

@@ -13,7 +13,6 @@ import json
 import os
 import time
 from collections import Counter
-from dataclasses import asdict
 
 from evalkit.bench.base import Context, Measurement
 from tasks.livecodebench import grade
@@ -62,7 +61,9 @@ def grading_bench(
     """Wall seconds to grade the bundled sample (10 problems x k predictions) per problem and pooled, under
     these sandbox settings (checked by `grade.configure`, which refuses a machine without isolation unless
     `allow_unisolated`); the previous settings are restored afterwards."""
-    previous = asdict(grade._settings)  # restored below: the bench leaves later grading as it was
+    previous = (
+        grade._settings
+    )  # put back as it was: re-configuring would re-check isolation and start a program
     grade.configure(
         workers=workers, timeout_s=timeout_s, memory_mb=memory_mb, allow_unisolated=allow_unisolated
     )
@@ -71,7 +72,7 @@ def grading_bench(
         per, pooled = (graded(mode, items) for mode in MODES)
     finally:
         grade._memo.clear()
-        grade.configure(**previous)
+        grade._settings = previous
     row = grading_row(k, workers or os.cpu_count() or 1, timeout_s, per, pooled)
     print(f"grading k={k} workers={row['workers']}: per problem {row['per_problem_s']} s, pooled "
           f"{row['pooled_s']} s ({row['speedup']}x), outcomes identical: {row['outcomes_identical']}", flush=True)  # fmt: skip

@@ -47,6 +47,19 @@ class Rows:
     filled: list[int]  # ring methods: valid slots per row, always a prefix [0, filled) of the row's slots
 
 
+def prompt_slots(method, width: int) -> int:
+    """Slots a prompt `width` columns wide takes per row: a ring's budget, else the kept prompt (all of it, or
+    the budget)."""
+    budget = getattr(method, "budget", None)
+    return budget if method.ring else (width if budget is None else min(width, budget))
+
+
+def slots_needed(method, prompt_len: int, max_new: int) -> int:
+    """Slots one request needs for its whole decode: a ring stays its budget, an append cache adds a slot per
+    generated token."""
+    return prompt_slots(method, prompt_len) + (0 if method.ring else max_new)
+
+
 def plan_rows(method, valid_cols: torch.Tensor) -> Rows:
     """Block sizes and the sink/tail slot positions for a left-padded prompt batch, valid_cols (B, T)."""
     b, t = valid_cols.shape
@@ -56,8 +69,7 @@ def plan_rows(method, valid_cols: torch.Tensor) -> Rows:
     if not torch.equal(valid_cols, torch.arange(t, device=dev)[None, :] >= pad[:, None]):
         raise ValueError("evalkit KV caches need left padding (tokenizer.padding_side = 'left')")
     sink, tail_long, topk = method.blocks()
-    budget = getattr(method, "budget", None)
-    n = budget if method.ring else (t if budget is None else min(t, budget))
+    n = prompt_slots(method, t)
     sink = min(sink, n)
     # Whole prompt kept when it fits, except under the spec's fixed ring (`spare_slots="pad"`), whose short
     # prompts keep their middle in the top-K block and leave the unused slots as padding.

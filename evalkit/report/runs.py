@@ -4,12 +4,13 @@ so), `samples.jsonl`, and the run folders a sweep left unfinished (a journal but
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+
+from evalkit.results import short_hash
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,9 @@ class Run:
     def settings(self) -> str:
         """Method settings changed from the conf defaults (the budget tag without its budget): `recent64`,
         or `default`. Two runs with the same method and budget but other settings are other configurations."""
-        tag = str(self.metrics["method"].get("conf") or self.rel.rsplit("/", 1)[-1])
+        # the runner records the budget tag as method.tag (method.conf is the method's conf folder name); the
+        # run folder's name is the same tag
+        tag = str(self.metrics["method"].get("tag") or self.rel.rsplit("/", 1)[-1])
         rest = tag.split("-", 1)[1] if "-" in tag else ""
         return rest or "default"
 
@@ -79,8 +82,8 @@ class Run:
                       "data_hash": (m.get("data") or {}).get("hash"), "limit": cfg.get("limit"),
                       "seed": cfg.get("seed")}  # fmt: skip
         scoring = {"scorer_version": m.get("scorer_version"), "setup": (cfg.get("task") or {}).get("setup")}
-        return {"generation": _hash16(generation), "method": _hash16(m["method"]),
-                "scoring": _hash16(scoring), "source": "derived"}  # fmt: skip
+        return {"generation": short_hash(generation), "method": short_hash(m["method"]),
+                "scoring": short_hash(scoring), "source": "derived"}  # fmt: skip
 
     def samples(self) -> dict[str, dict]:
         """samples.jsonl rows by sample id; RunError names the folder and line for anything unusable."""
@@ -106,10 +109,6 @@ class Run:
         if not rows:
             raise RunError(f"{self.rel}: empty run (samples.jsonl holds no samples)")
         return rows
-
-
-def _hash16(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _check(metrics) -> None:

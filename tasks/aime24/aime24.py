@@ -28,9 +28,8 @@ from evalkit.task import (
 from tasks.aime24 import grade
 
 VERSION = 1  # bump when the prompt or data handling changes (the generations change)
-SCORER_VERSION = (
-    2  # bump when extraction or judging changes (2: math-verify, `\\boxed N`): finished runs re-score
-)
+# bump when extraction or judging changes (2: math-verify, `\\boxed N`): finished runs re-score
+SCORER_VERSION = 2
 TASK = "aime24"
 REPO = "HuggingFaceH4/aime_2024"
 # Not checked against the hub from here (unreachable): the revision several public pins use for this file.

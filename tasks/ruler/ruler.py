@@ -21,8 +21,7 @@ from tasks.ruler import frozen, generate
 from tasks.ruler.constants import MODEL_TEMPLATES, NO_DATA_TASKS, TASKS
 from tasks.ruler.data import RulerData, resolve
 
-# VERSION: bump when the prompts or data handling change (generate.GENERATOR_VERSION keys frozen files)
-VERSION = 1  # bump when the prompt or data handling changes (the generations change)
+VERSION = 1  # bump when the prompts or data handling change (generate.GENERATOR_VERSION keys frozen files)
 SCORER_VERSION = 1  # bump when extraction or scoring changes: finished runs re-score from their journals
 
 DEFAULT_N = 500  # upstream NUM_SAMPLES per task and length
