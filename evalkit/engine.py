@@ -148,8 +148,13 @@ class Engine:
         """One decode step of every row: a token each, the finished rows released."""
         start = time.perf_counter()
         positions = self.pool.rows.next_pos.clone()[:, None]  # (rows, 1) this token's position per row
-        out = self.step_fn(input_ids=last[:, None], position_ids=positions, cache=self.pool, use_cache=True,
-                           **self._keep_last())  # fmt: skip
+        out = self.step_fn(
+            input_ids=last[:, None],
+            position_ids=positions,
+            cache=self.pool,
+            use_cache=True,
+            **self._keep_last(),
+        )
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)  # (rows, V)
         greedy = torch.argmax(logits, dim=-1)  # (rows,)
         chosen = greedy.tolist()  # one host read per step, not one per row
@@ -187,8 +192,13 @@ class Engine:
         )
         ids = torch.tensor([req.ids], device=self.model.device)
         with shared_prefill(self.model):
-            out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True,
-                             **self._keep_last())  # fmt: skip
+            out = self.model(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                cache=cache,
+                use_cache=True,
+                **self._keep_last(),
+            )
         # the owner and each replaying request drop their reference once prefilled, so a prompt's record lives
         # only until its last budget is in (a record holds the prompt's whole K/V)
         req.replayed, req.replay, req.record = replay is not None, None, None
@@ -234,13 +244,20 @@ class Engine:
     def _done(self, row: _Row, ended: str, kv: dict) -> Done:
         req = row.request
         stats = dict(
-            prompt_tokens=len(req.ids), max_new_tokens=req.max_new, output_tokens=len(row.tokens),
-            hit_limit=ended == "limit", wall_s=row.prefill_s + row.share_s,
-            tokens_per_s=self.generated / max(time.perf_counter() - self.started, 1e-9),  # the engine's, so far
+            prompt_tokens=len(req.ids),
+            max_new_tokens=req.max_new,
+            output_tokens=len(row.tokens),
+            hit_limit=ended == "limit",
+            wall_s=row.prefill_s + row.share_s,
+            tokens_per_s=self.generated
+            / max(time.perf_counter() - self.started, 1e-9),  # the engine's, so far
             prefill_replayed=req.replayed,
-            kv_slots=kv["slots"], kv_bytes=kv["bytes"], kv_seen=kv["seen"], kv_kept=kv["kept"],
+            kv_slots=kv["slots"],
+            kv_bytes=kv["bytes"],
+            kv_seen=kv["seen"],
+            kv_kept=kv["kept"],
             kv_evicted_generated=kv["evicted_generated"],
-        )  # fmt: skip
+        )
         return Done(req, row.tokens, ended, stats)
 
     def _need(self, req: Request) -> int:

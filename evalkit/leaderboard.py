@@ -30,8 +30,19 @@ from evalkit.results import atomic_write, save_figure
 log = logging.getLogger(__name__)
 
 # What tells two runs apart; `run` (the folder) is unique per run.
-LABELS = ["model", "task", "method", "settings", "budget", "task_version", "scorer_version", "data_source",
-          "data_hash", "generation", "run"]  # fmt: skip
+LABELS = [
+    "model",
+    "task",
+    "method",
+    "settings",
+    "budget",
+    "task_version",
+    "scorer_version",
+    "data_source",
+    "data_hash",
+    "generation",
+    "run",
+]
 PAIRED = [
     "paired_with",
     "n_paired",
@@ -46,8 +57,17 @@ PAIRED = [
 LONG_COLUMNS = (
     LABELS + ["metric", "subset", "measured_compression", "score", "stderr", "n", "git_sha"] + PAIRED
 )
-WIDE_INDEX = ["model", "task", "metric", "method", "settings", "task_version", "scorer_version", "data_hash",
-              "generation"]  # fmt: skip
+WIDE_INDEX = [
+    "model",
+    "task",
+    "metric",
+    "method",
+    "settings",
+    "task_version",
+    "scorer_version",
+    "data_hash",
+    "generation",
+]
 PER_BUDGET = {
     "paired_diff": "vs_full",
     "ci_low": "ci_low",
@@ -70,8 +90,10 @@ def labels(run: Run) -> dict:
 def long_rows(run: Run, pairing=None) -> list[dict]:
     """One row per score key (`metric/subset`), plus mean output tokens; paired columns where paired."""
     m = run.metrics
-    base = labels(run) | {"measured_compression": (m.get("kv") or {}).get("compression_ratio"),
-                          "git_sha": (m.get("provenance") or {}).get("git_sha")}  # fmt: skip
+    base = labels(run) | {
+        "measured_compression": (m.get("kv") or {}).get("compression_ratio"),
+        "git_sha": (m.get("provenance") or {}).get("git_sha"),
+    }
     rows = []
     for key, v in m["scores"].items():
         metric, _, subset = key.partition("/")
@@ -79,12 +101,29 @@ def long_rows(run: Run, pairing=None) -> list[dict]:
         paired = {c: cell.get(c) for c in PAIRED} | {"paired_with": pairing.full.rel if pairing else None}
         if not run.is_full and pairing is None:
             paired["verdict"] = "unpaired"  # the warning logged by `build` says why
-        rows.append({**base, "metric": metric, "subset": subset or "all", "score": v["mean"],
-                     "stderr": v.get("stderr"), "n": v.get("n"), **paired})  # fmt: skip
+        rows.append(
+            {
+                **base,
+                "metric": metric,
+                "subset": subset or "all",
+                "score": v["mean"],
+                "stderr": v.get("stderr"),
+                "n": v.get("n"),
+                **paired,
+            }
+        )
     gen = m.get("generation") or {}
     if gen.get("mean_output_tokens") is not None:
-        rows.append({**base, "metric": "output_tokens", "subset": "all", "score": gen["mean_output_tokens"],
-                     "stderr": None, "n": gen.get("requests")})  # fmt: skip
+        rows.append(
+            {
+                **base,
+                "metric": "output_tokens",
+                "subset": "all",
+                "score": gen["mean_output_tokens"],
+                "stderr": None,
+                "n": gen.get("requests"),
+            }
+        )
     return rows
 
 
@@ -105,10 +144,17 @@ def _headline_records(runs: list[Run], pairings: dict) -> pd.DataFrame:
         cell = p.cells.get(run.headline, {}) if p else {}
         score = run.metrics["scores"].get(run.headline, {}).get("mean")
         full = p.full.metrics["scores"].get(run.headline, {}).get("mean") if p else None
-        recs.append({**{k: v for k, v in labels(run).items() if k in WIDE_INDEX}, "metric": run.headline,
-                     "budget": run.budget, "run": run.rel, "score": score,
-                     "full": score if run.is_full else full,
-                     **{c: cell.get(c) for c in PER_BUDGET}})  # fmt: skip
+        recs.append(
+            {
+                **{k: v for k, v in labels(run).items() if k in WIDE_INDEX},
+                "metric": run.headline,
+                "budget": run.budget,
+                "run": run.rel,
+                "score": score,
+                "full": score if run.is_full else full,
+                **{c: cell.get(c) for c in PER_BUDGET},
+            }
+        )
     df = pd.DataFrame(recs)
     # Two runs sharing every label (results trees merged by hand) are told apart by folder, never averaged.
     dup = df.duplicated(subset=WIDE_INDEX + ["budget"], keep=False)
@@ -169,8 +215,10 @@ def plot(runs: list[Run], out_dir: Path) -> list[Path]:
             label = (
                 method + ("" if sett == "default" else f" {sett}") + (f" [{str(gen)[:6]}]" if several else "")
             )
-            scores = [(r.budget, r.metrics["scores"][head]["mean"], r.metrics["scores"][head].get("stderr") or 0)
-                      for r in members]  # fmt: skip
+            scores = [
+                (r.budget, r.metrics["scores"][head]["mean"], r.metrics["scores"][head].get("stderr") or 0)
+                for r in members
+            ]
             if method == "full":
                 ax.axhline(scores[0][1], color="black", linestyle="--", label=label)
                 continue
@@ -221,8 +269,13 @@ def main(argv: list[str] | None = None) -> None:
     long, wide, plots = build(results_dir)
     print(f"{len(long)} rows from {long['run'].nunique()} runs")
     if not wide.empty:
-        show = [c for c in wide.columns if c in ("model", "task", "method", "settings", "full")
-                or c.isdigit() or c.endswith(("_vs_full", "_verdict"))]  # fmt: skip
+        show = [
+            c
+            for c in wide.columns
+            if c in ("model", "task", "method", "settings", "full")
+            or c.isdigit()
+            or c.endswith(("_vs_full", "_verdict"))
+        ]
         print(wide[show].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     print(
         f"wrote {results_dir}/leaderboard.csv, leaderboard_wide.csv and {len(plots)} plot(s) in {results_dir}/plots"

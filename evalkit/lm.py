@@ -50,8 +50,15 @@ def generation_config(gen: dict, max_new_tokens: int, eos: list[int], pad: int) 
     sample = bool(gen.get("do_sample", temperature > 0)) and temperature > 0
     settings = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, do_sample=sample)
     # transformers fills fields left unset from the model's generation_config: pin the neutral values
-    settings.update(repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0,
-                    eta_cutoff=0.0, min_p=None, min_new_tokens=0)  # fmt: skip
+    settings.update(
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        typical_p=1.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+        min_p=None,
+        min_new_tokens=0,
+    )
     if sample:
         settings.update(
             temperature=temperature, top_p=float(gen.get("top_p", 1.0)), top_k=int(gen.get("top_k", 0))
@@ -232,16 +239,23 @@ class EvalkitLM(HFLM):
         from evalkit.engine import Engine
 
         results: list[str | None] = [None] * len(requests)
-        jobs = [job for i, req, key in zip(range(len(requests)), requests, keyed(requests))
-                for job in self._jobs(i, self._prompt(req, key), results)]  # fmt: skip
+        jobs = [
+            job
+            for i, req, key in zip(range(len(requests)), requests, keyed(requests))
+            for job in self._jobs(i, self._prompt(req, key), results)
+        ]
         methods = 1 + len(self.also)
         rows = max(
             1, min(self.batch_size * (methods if self.batch_budgets else 1), len(jobs))
         )  # no empty rows
-        engine = Engine(self.model, self.tokenizer, self._eos_ids(), rows=rows,
-                        compile=self.compile)  # fmt: skip
-        bar = tqdm(total=len(requests) * methods, initial=len(requests) * methods - len(jobs), desc=self._label(),
-                   unit="gen", disable=disable_tqdm)  # fmt: skip
+        engine = Engine(self.model, self.tokenizer, self._eos_ids(), rows=rows, compile=self.compile)
+        bar = tqdm(
+            total=len(requests) * methods,
+            initial=len(requests) * methods - len(jobs),
+            desc=self._label(),
+            unit="gen",
+            disable=disable_tqdm,
+        )
         finished = engine.run(jobs, then=self._followup)
         del jobs  # the engine's queue holds them now: a job's prefill record is freed once its budgets are in
         for done in finished:
@@ -286,7 +300,7 @@ class EvalkitLM(HFLM):
                 record=record if n == 0 else None,
                 replay=record if n > 0 else None,
                 tag=_Job(i, p, j, primary, truncated),
-            )  # fmt: skip
+            )
             for n, (m, j, primary) in enumerate(todo)
         ]
 
@@ -302,10 +316,24 @@ class EvalkitLM(HFLM):
         first = finish_text(job.prompt, text, self._until(job.prompt))
         second = followup_prompt(job.prompt, first, self.tokenizer, self._cap)
         ids, truncated = self._encode(second)
-        tag = _Job(job.index, job.prompt, job.journal, job.primary, job.truncated,
-                   (first, done.stats, second, truncated))  # fmt: skip
-        return Request(job.prompt.key, ids, second.max_new, Full(), self._gen_config(second), done.request.seed,
-                       self._until(second), tag=tag)  # fmt: skip
+        tag = _Job(
+            job.index,
+            job.prompt,
+            job.journal,
+            job.primary,
+            job.truncated,
+            (first, done.stats, second, truncated),
+        )
+        return Request(
+            job.prompt.key,
+            ids,
+            second.max_new,
+            Full(),
+            self._gen_config(second),
+            done.request.seed,
+            self._until(second),
+            tag=tag,
+        )
 
     def _result(self, done) -> tuple[str, dict]:
         """(text, stats) of a finished generation as journaled: the follow-up's text with the first call's stats."""
@@ -317,8 +345,13 @@ class EvalkitLM(HFLM):
         stats = {**done.stats, "truncated": job.truncated}
         if job.first is not None:
             first, first_stats, _, second_truncated = job.first
-            stats = {**first_stats, "truncated": job.truncated, "first_output": first, "followup_method": "full",
-                     "followup": {**done.stats, "truncated": second_truncated}}  # fmt: skip
+            stats = {
+                **first_stats,
+                "truncated": job.truncated,
+                "first_output": first,
+                "followup_method": "full",
+                "followup": {**done.stats, "truncated": second_truncated},
+            }
         return text, stats
 
     def _gen_config(self, p: Prompt) -> GenerationConfig:

@@ -221,8 +221,15 @@ def config_yaml(cfg: DictConfig) -> str:
 # which score a table shows first, and how a served model is reached (its address, concurrency, retries: the
 # server's own identity is checked separately, evalkit.served). A change of the grading ones re-scores a finished
 # run from its journal.
-NOT_GENERATION = ("results_dir", "task.setup", "task.headline", "model.base_url", "model.num_concurrent",
-                  "model.max_retries", "model.timeout_s")  # fmt: skip
+NOT_GENERATION = (
+    "results_dir",
+    "task.setup",
+    "task.headline",
+    "model.base_url",
+    "model.num_concurrent",
+    "model.max_retries",
+    "model.timeout_s",
+)
 
 # evalkit's lm-eval tasks are registered as `evalkit_<task>` so that no name collides with a task or group lm-eval
 # ships (its `ruler` group, `aime24`, ...). Runs made before that rename used the bare names.

@@ -98,7 +98,10 @@ def plan(cfg: DictConfig) -> Plan:
         task_module = importlib.import_module(cfg.task.module)
     except ImportError as e:
         raise ConfigError(f"task {cfg.task.name}: cannot import {cfg.task.module} ({e})") from None
-    for attr, what in (("VERSION", "bumped when prompts or data change"), ("SCORER_VERSION", "bumped when scoring changes")):  # fmt: skip
+    for attr, what in (
+        ("VERSION", "bumped when prompts or data change"),
+        ("SCORER_VERSION", "bumped when scoring changes"),
+    ):
         if not _int(getattr(task_module, attr, None)):
             raise ConfigError(f"task module {cfg.task.module} must define {attr} (an int, {what})")
     spec = model_spec(cfg.model)
@@ -114,8 +117,13 @@ def check_run_settings(cfg: DictConfig) -> None:
         ("seed", cfg.get("seed"), _int, "an integer"),
         ("compile", cfg.get("compile"), lambda v: isinstance(v, bool), "true or false"),
         ("task.repeats", cfg.task.get("repeats"), lambda v: _int(v) and v >= 1, "a positive integer"),
-        ("task.load.n", cfg.task.load.get("n"), lambda v: v is None or _int(v) and v >= 1, "null (all) or a positive integer"),
-    ):  # fmt: skip
+        (
+            "task.load.n",
+            cfg.task.load.get("n"),
+            lambda v: v is None or _int(v) and v >= 1,
+            "null (all) or a positive integer",
+        ),
+    ):
         if not ok(value):
             raise ConfigError(f"{key} must be {rule}, got {value!r}")
 
@@ -215,8 +223,11 @@ def classify(p: Plan, loaded) -> str:
 def open_journal(p: Plan) -> Journal:
     journal = Journal(p.out / "generations.jsonl")
     for number, reason in journal.rejected:
-        print(f"evalkit: {journal.path} line {number} set aside ({reason}) into {journal.path.name}.rejected; "
-              "that request runs again", file=sys.stderr)  # fmt: skip
+        print(
+            f"evalkit: {journal.path} line {number} set aside ({reason}) into {journal.path.name}.rejected; "
+            "that request runs again",
+            file=sys.stderr,
+        )
     return journal
 
 
@@ -257,9 +268,18 @@ def generate(plans: list[Plan], load_kwargs: dict, context: int) -> None:
     for q in plans:
         atomic_write(q.out / "config.yaml", config_yaml(q.cfg))
     also = [(q.method, q.journal) for q in plans[1:]]
-    lm = EvalkitLM(model=p.spec, hf_model=model, tokenizer=tokenizer, batch_size=p.cfg.batch_size,
-                   max_length=context, seed=p.cfg.seed, method=p.method, journal=p.journal, also=also,
-                   compile=p.cfg.compile)  # fmt: skip
+    lm = EvalkitLM(
+        model=p.spec,
+        hf_model=model,
+        tokenizer=tokenizer,
+        batch_size=p.cfg.batch_size,
+        max_length=context,
+        seed=p.cfg.seed,
+        method=p.method,
+        journal=p.journal,
+        also=also,
+        compile=p.cfg.compile,
+    )
     lm_eval_generate(p, lm, load_kwargs)
 
 
@@ -274,9 +294,14 @@ def lm_eval_generate(p: Plan, lm, load_kwargs: dict) -> None:
     for task in tasks.values():
         task.config.repeats = int(p.cfg.task.repeats)
     simple_evaluate(
-        model=lm, tasks=list(tasks.values()), limit=p.cfg.limit, predict_only=True, bootstrap_iters=0,
-        gen_kwargs=OmegaConf.to_container(p.cfg.task.generation) or None, task_manager=manager,
-    )  # fmt: skip
+        model=lm,
+        tasks=list(tasks.values()),
+        limit=p.cfg.limit,
+        predict_only=True,
+        bootstrap_iters=0,
+        gen_kwargs=OmegaConf.to_container(p.cfg.task.generation) or None,
+        task_manager=manager,
+    )
 
 
 def configure_task(p: Plan) -> dict | None:

@@ -91,8 +91,10 @@ class ServedSpec(ModelSpec):
             )
         url = urlsplit(self.base_url or "")
         if url.scheme not in ("http", "https") or not url.netloc or url.query or url.fragment:
-            raise ConfigError(f"model.base_url must be the server's http(s) OpenAI root (e.g. "
-                              f"http://127.0.0.1:8000/v1), got {self.base_url!r}")  # fmt: skip
+            raise ConfigError(
+                f"model.base_url must be the server's http(s) OpenAI root (e.g. "
+                f"http://127.0.0.1:8000/v1), got {self.base_url!r}"
+            )
         if self.api not in APIS:
             raise ConfigError(f"model.api must be one of {', '.join(APIS)}, got {self.api!r}")
         for key in ("num_concurrent", "max_retries", "timeout_s"):
@@ -151,8 +153,10 @@ def server_report(spec: ServedSpec, context: int) -> dict:
         raise ServedError(f"{spec.root} serves {ids}; model.model_id={spec.model_id!r} is not one of them")
     served_len = entry.get("max_model_len")
     if isinstance(served_len, int) and served_len < context:
-        raise ServedError(f"{entry['id']} is served with a context of {served_len} tokens, evalkit assumes "
-                          f"{context}: set model.max_length={served_len}")  # fmt: skip
+        raise ServedError(
+            f"{entry['id']} is served with a context of {served_len} tokens, evalkit assumes "
+            f"{context}: set model.max_length={served_len}"
+        )
     server = urlsplit(spec.root)._replace(path="").geturl()
     about = {name: _get(spec, f"{server}/{name}")[0] for name in ("version", "info")}
     return {
@@ -182,8 +186,10 @@ def _get(spec: ServedSpec, url: str, required: bool = False):
     except requests.RequestException as e:
         if not required:
             return None, None
-        raise ServedError(f"cannot reach the server at {spec.root} (GET {url}: {type(e).__name__}); start it "
-                          "or fix model.base_url") from None  # fmt: skip
+        raise ServedError(
+            f"cannot reach the server at {spec.root} (GET {url}: {type(e).__name__}); start it "
+            "or fix model.base_url"
+        ) from None
     if not r.ok or "json" not in r.headers.get("content-type", ""):
         if not required:
             return None, None
@@ -238,9 +244,18 @@ class _Served:
 
     def __init__(self, spec: ServedSpec, tokenizer, context: int, journal, report: dict, seed: int = 0):
         endpoint = f"{spec.root}/chat/completions" if spec.api == "chat" else f"{spec.root}/completions"
-        super().__init__(base_url=endpoint, model=report["model"]["id"], tokenizer_backend=None,
-                         tokenized_requests=False, num_concurrent=spec.num_concurrent, max_retries=spec.max_retries,
-                         timeout=spec.timeout_s, max_length=context + 1, batch_size=1, seed=seed)  # fmt: skip
+        super().__init__(
+            base_url=endpoint,
+            model=report["model"]["id"],
+            tokenizer_backend=None,
+            tokenized_requests=False,
+            num_concurrent=spec.num_concurrent,
+            max_retries=spec.max_retries,
+            timeout=spec.timeout_s,
+            max_length=context + 1,
+            batch_size=1,
+            seed=seed,
+        )
         self.spec, self.prompt_tokenizer, self.context, self.journal = spec, tokenizer, context, journal
         self._failed: list[str] = []
 
@@ -248,8 +263,10 @@ class _Served:
         return new_tokens_cap(self.spec, n)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        prompts = [request_prompt(r, k, self.prompt_tokenizer, self._max_gen_toks, self._cap)
-                   for r, k in zip(requests, keyed(requests))]  # fmt: skip
+        prompts = [
+            request_prompt(r, k, self.prompt_tokenizer, self._max_gen_toks, self._cap)
+            for r, k in zip(requests, keyed(requests))
+        ]
         todo = [p for p in prompts if journaled(self.journal, p) is None]
         if todo:  # lm-eval's gather shows the progress ("Requesting API")
             try:
@@ -275,8 +292,9 @@ class _Served:
                 text, stats = await self._call(session, p)
                 if p.followup is not None:
                     first = text
-                    text, second = await self._call(session, followup_prompt(p, first, self.prompt_tokenizer,
-                                                                             self._cap))  # fmt: skip
+                    text, second = await self._call(
+                        session, followup_prompt(p, first, self.prompt_tokenizer, self._cap)
+                    )
                     stats.update(followup=second, first_output=first, followup_method="full")
             except _Final as e:
                 self._failed.append(f"{p.key}: {e}")
@@ -332,14 +350,22 @@ class _Served:
         """lm-eval's request body for this API with the task's decoding settings, as evalkit decodes in process:
         greedy unless the task samples, top_p / top_k only when sampling, top_k only when set (servers differ)."""
         decode = generation_config(p.gen, p.max_new, [0], 0)
-        gen = {"max_gen_toks": p.max_new, "until": stop_strings(p),
-               "temperature": decode.temperature if decode.do_sample else 0.0}  # fmt: skip
+        gen = {
+            "max_gen_toks": p.max_new,
+            "until": stop_strings(p),
+            "temperature": decode.temperature if decode.do_sample else 0.0,
+        }
         if decode.do_sample:
             gen["top_p"] = decode.top_p
             if decode.top_k:
                 gen["top_k"] = decode.top_k
-        payload = self._create_payload(self._messages(p, text), generate=True, gen_kwargs=gen,
-                                       seed=request_seed(self._seed, p.key), eos=None)  # fmt: skip
+        payload = self._create_payload(
+            self._messages(p, text),
+            generate=True,
+            gen_kwargs=gen,
+            seed=request_seed(self._seed, p.key),
+            eos=None,
+        )
         if not payload.get("stop"):
             payload.pop("stop", None)  # no stop strings: the server stops at its EOS, as evalkit does
         return {**payload, **self.spec.extra_body}
@@ -372,7 +398,9 @@ class ServedChat(_Served, LocalChatCompletion):
             raise _Final(
                 "the chat API needs evalkit's sample fields (a plain lm-eval task: use api=completions)"
             )
-        if s.rendered or s.meta.get(TEMPLATE_KEY):  # the task's own template: a chat template would wrap it again
+        if s.rendered or s.meta.get(
+            TEMPLATE_KEY
+        ):  # the task's own template: a chat template would wrap it again
             raise _Final(
                 f"task {s.task} renders its own prompt template (e.g. livecodebench_r1, RULER's meta-llama3); "
                 "the chat API would wrap it in the server's chat template: use model.api=completions"

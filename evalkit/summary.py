@@ -28,8 +28,10 @@ def model_source(spec) -> str:
         return f"served:{spec.base_url} (model {spec.model_id or 'the one it serves'}; tokenizer {spec.tokenizer})"
     if spec.gguf:
         version = metadata.version(spec.gguf["package"].replace("_", "-"))
-        return (f"gguf:{spec.gguf['package']}=={version}/{spec.gguf['file']} "
-                f"(dequantised to {spec.dtype}; hub original {spec.id})")  # fmt: skip
+        return (
+            f"gguf:{spec.gguf['package']}=={version}/{spec.gguf['file']} "
+            f"(dequantised to {spec.dtype}; hub original {spec.id})"
+        )
     if spec.random is not None:
         return f"random:seed={spec.seed} (tokenizer {spec.tokenizer})"
     if spec.path:

@@ -46,8 +46,9 @@ def main() -> None:
     print(f"plain interpreter {p * 1e3:.1f} ms, sandboxed {b * 1e3:.1f} ms: overhead {(b - p) * 1e3:.1f} ms")
 
     t = time.perf_counter()
-    runs = sandbox.map_parallel(lambda i: sandbox.run_program(f"print({i})", timeout_s=10, memory_mb=512),
-                                range(args.n), args.workers)  # fmt: skip
+    runs = sandbox.map_parallel(
+        lambda i: sandbox.run_program(f"print({i})", timeout_s=10, memory_mb=512), range(args.n), args.workers
+    )
     dt = time.perf_counter() - t
     assert all(r.status == "ok" for r in runs)
     print(f"trivial programs: {args.n / dt:.1f}/s on {args.workers} workers")

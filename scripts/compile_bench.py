@@ -39,8 +39,12 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2_135m", help="a conf/model name")
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--methods", type=lambda s: [parse_method(x) for x in s.split(",")],
-                    default=[SnapStream(budget=512)], help="name[:budget],... (default snapstream:512)")  # fmt: skip
+    ap.add_argument(
+        "--methods",
+        type=lambda s: [parse_method(x) for x in s.split(",")],
+        default=[SnapStream(budget=512)],
+        help="name[:budget],... (default snapstream:512)",
+    )
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps per mode")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--backend", default="inductor")
@@ -67,8 +71,13 @@ def main() -> None:
     )
     ids = ids.to(next(model.parameters()).device)
     rows = compiled_decode(model, ids, args.methods, args.steps, args.rounds, args.backend, modes=ALL_MODES)
-    report = {"model": args.model, "weight_bytes": weight_bytes(model), "threads": torch.get_num_threads(),
-              "command": " ".join(sys.argv), "rows": rows}  # fmt: skip
+    report = {
+        "model": args.model,
+        "weight_bytes": weight_bytes(model),
+        "threads": torch.get_num_threads(),
+        "command": " ".join(sys.argv),
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
 

@@ -19,13 +19,35 @@ from evalkit.bench import decode_speed, prefill_overhead
 from evalkit.bench.compiled import ALL_MODES, compiled_decode
 from evalkit.kv import Full, SnapStream, attach
 
-LLAMA_31_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                   max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5)  # fmt: skip
-DEEPSEEK_V3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-                   num_hidden_layers=61, first_k_dense_replace=61, num_attention_heads=128, num_key_value_heads=128,
-                   kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                   max_position_embeddings=163840)  # fmt: skip
+LLAMA_31_8B = dict(
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+)
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3",
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    num_hidden_layers=61,
+    first_k_dense_replace=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    max_position_embeddings=163840,
+)
 
 
 def build(cfg: dict, layers: int | None, device: str, small: bool):
@@ -52,8 +74,11 @@ def run(model, tokens: int, budgets, steps: int, device: str, compiled: bool) ->
         torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
     model(ids[:, :512], logits_to_keep=1)  # warm-up (kernels, allocator)
-    res = {"tokens": tokens, "prefill": prefill_overhead(model, ids, reps=3),
-           "decode": decode_speed(model, ids, budgets, steps, rounds=4)}  # fmt: skip
+    res = {
+        "tokens": tokens,
+        "prefill": prefill_overhead(model, ids, reps=3),
+        "decode": decode_speed(model, ids, budgets, steps, rounds=4),
+    }
     if compiled:
         methods = [SnapStream(budget=budgets[0]), Full()]
         res["compiled_decode"] = compiled_decode(model, ids, methods, steps, rounds=4, modes=ALL_MODES)

@@ -74,8 +74,13 @@ def write_run(
         "limit": None,
         "seed": seed,
     }
-    generation = {"model": cfg["model"], "task": cfg["task"], "task_version": task_version,
-                  "data_hash": data_hash, "seed": seed}  # fmt: skip
+    generation = {
+        "model": cfg["model"],
+        "task": cfg["task"],
+        "task_version": task_version,
+        "data_hash": data_hash,
+        "seed": seed,
+    }
     metrics = {
         "schema": 1,
         "task": task,

@@ -39,8 +39,9 @@ def test_batch_equals_single_rows(arch, method):
     ids, mask, width = left_pad(prompts)
     batch_cache = KVCache.for_model(method, model)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, cache=batch_cache, max_new_tokens=30, min_new_tokens=30,
-                             do_sample=False)  # fmt: skip
+        out = model.generate(
+            ids, attention_mask=mask, cache=batch_cache, max_new_tokens=30, min_new_tokens=30, do_sample=False
+        )
     alone_rows = []
     for r, p in enumerate(prompts):
         alone_cache = KVCache.for_model(method, model)
@@ -67,8 +68,14 @@ def test_smollm2_batch_equals_single(smollm2):
     ]  # fmt: skip
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     method = SnapStream(budget=64, recent=32, window=16)
-    out, _ = generate(model, enc["input_ids"], method, attention_mask=enc["attention_mask"], max_new_tokens=40,
-                      do_sample=False)  # fmt: skip
+    out, _ = generate(
+        model,
+        enc["input_ids"],
+        method,
+        attention_mask=enc["attention_mask"],
+        max_new_tokens=40,
+        do_sample=False,
+    )
     width = enc["input_ids"].shape[1]
     for r, text in enumerate(texts):
         ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
@@ -78,11 +85,24 @@ def test_smollm2_batch_equals_single(smollm2):
 
 
 def test_runner_batch_size_4_equals_1(tmp_path):
-    base = [sys.executable, "-m", "evalkit", "model=tiny_llama", "task.load.n=2", "task.load.lengths=[1024]",
-            "method=snapstream", "method.budget=64"]  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "evalkit",
+        "model=tiny_llama",
+        "task.load.n=2",
+        "task.load.lengths=[1024]",
+        "method=snapstream",
+        "method.budget=64",
+    ]
     for bs in (1, 4):
-        proc = subprocess.run([*base, f"batch_size={bs}", f"results_dir={tmp_path / str(bs)}"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        proc = subprocess.run(
+            [*base, f"batch_size={bs}", f"results_dir={tmp_path / str(bs)}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {
         bs: [

@@ -156,8 +156,13 @@ def test_a_budget_below_one_full_row_is_refused_before_the_prefill(model, ids):
 
 def fake(name: str) -> Measurement:
     """A measurement as a later module would add one (no model needed)."""
-    return Measurement(name, f"{name}.csv", f"Title of {name}", lambda ctx: [{"x": 1, "quick": ctx.quick}],
-                       note=lambda rows: f"note of {name}: {len(rows)} rows")  # fmt: skip
+    return Measurement(
+        name,
+        f"{name}.csv",
+        f"Title of {name}",
+        lambda ctx: [{"x": 1, "quick": ctx.quick}],
+        note=lambda rows: f"note of {name}: {len(rows)} rows",
+    )
 
 
 def test_summary_is_assembled_from_whatever_csvs_are_there(tmp_path):
@@ -187,15 +192,28 @@ def test_registry_names_its_modules_and_keeps_the_published_file_names():
     assert all(m.name == name for name, m in records.items())
     csvs = [m.csv for m in records.values()]
     assert len(set(csvs)) == len(csvs)
-    published = {"prefill_overhead.csv", "decode_speed.csv", "memory.csv", "decode_steps.csv",
-                 "batch_throughput.csv", "sweep_prefill.csv", "compiled_decode.csv", "grading.csv"}  # fmt: skip
+    published = {
+        "prefill_overhead.csv",
+        "decode_speed.csv",
+        "memory.csv",
+        "decode_steps.csv",
+        "batch_throughput.csv",
+        "sweep_prefill.csv",
+        "compiled_decode.csv",
+        "grading.csv",
+    }
     assert published <= set(csvs)
 
 
 def test_cli_runs_only_what_is_asked_and_writes_csv_provenance_summary(tmp_path, monkeypatch):
     threads = torch.get_num_threads()
-    two = Measurement("two", "two.csv", "Title of two", lambda ctx: [{"quick": ctx.quick, "threads": torch.get_num_threads()}],
-                      note=lambda rows: "note of two")  # fmt: skip
+    two = Measurement(
+        "two",
+        "two.csv",
+        "Title of two",
+        lambda ctx: [{"quick": ctx.quick, "threads": torch.get_num_threads()}],
+        note=lambda rows: "note of two",
+    )
     monkeypatch.setattr(cli, "MEASUREMENTS", {"one": "one", "two": "two"})
     monkeypatch.setattr(cli, "measurement", {"one": fake("one"), "two": two}.__getitem__)
     try:
@@ -236,10 +254,14 @@ def test_help_lists_the_measurements(capsys):
 
 @pytest.mark.parametrize(
     "args, message",
-    [(["--bogus"], "unrecognized arguments: --bogus"), (["--only", "decode,decode"], "named twice"),
-     (["--only", ""], "unknown measurement(s) ''"), (["--memory-child", "16k"], "LENGTH:BUDGET"),
-     (["--threads", "0"], "--threads must be a positive integer")],
-)  # fmt: skip
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--only", "decode,decode"], "named twice"),
+        (["--only", ""], "unknown measurement(s) ''"),
+        (["--memory-child", "16k"], "LENGTH:BUDGET"),
+        (["--threads", "0"], "--threads must be a positive integer"),
+    ],
+)
 def test_bad_arguments_are_usage_errors(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exit_:
         cli.main([*args, "--out", str(tmp_path / "out")])
@@ -273,8 +295,23 @@ def test_gpu_bench_script_runs_on_the_bench_functions(model, monkeypatch):
 def test_compile_bench_script_writes_every_mode_of_each_method(tmp_path, monkeypatch, capsys):
     """scripts/compile_bench.py, a thin CLI over evalkit.bench.compiled: a model conf, methods, the static mode too."""
     compile_bench, out = script("compile_bench"), tmp_path / "c.json"
-    argv = ["compile_bench.py", "--model", "tiny_llama", "--tokens", "100", "--steps", "4", "--rounds", "2",
-            "--backend", "eager", "--methods", "snapstream:64,full", "--out", str(out)]  # fmt: skip
+    argv = [
+        "compile_bench.py",
+        "--model",
+        "tiny_llama",
+        "--tokens",
+        "100",
+        "--steps",
+        "4",
+        "--rounds",
+        "2",
+        "--backend",
+        "eager",
+        "--methods",
+        "snapstream:64,full",
+        "--out",
+        str(out),
+    ]
     monkeypatch.setattr(sys, "argv", argv)
     compile_bench.main()
     torch._dynamo.reset()
@@ -297,8 +334,9 @@ def test_compile_bench_script_writes_every_mode_of_each_method(tmp_path, monkeyp
 def test_compiled_decode_rows_per_config_with_their_roofline(model, ids):
     """Full and SnapStream 64 after 200 tokens, 2 rounds of 4 steps; compiled through dynamo's eager backend (one
     graph, as inductor's, without minutes of C++ compilation)."""
-    compiled_rows = compiled.compiled_decode(model, ids, [Full(), SnapStream(budget=64)], steps=8, rounds=2,
-                                             backend="eager", copy_bytes=2**20)  # fmt: skip
+    compiled_rows = compiled.compiled_decode(
+        model, ids, [Full(), SnapStream(budget=64)], steps=8, rounds=2, backend="eager", copy_bytes=2**20
+    )
     torch._dynamo.reset()
     full, snap = compiled_rows
     assert [(r["config"], r["prompt_tokens"]) for r in compiled_rows] == [
@@ -344,8 +382,9 @@ def flipped_logits(gm, example_inputs):
 
 
 def test_tokens_equal_is_false_when_the_compiled_step_decodes_other_tokens(model, ids):
-    (row,) = compiled.compiled_decode(model, ids, [SnapStream(budget=64)], steps=4, rounds=2,
-                                      backend=flipped_logits, copy_bytes=2**20)  # fmt: skip
+    (row,) = compiled.compiled_decode(
+        model, ids, [SnapStream(budget=64)], steps=4, rounds=2, backend=flipped_logits, copy_bytes=2**20
+    )
     torch._dynamo.reset()
     assert row["tokens_equal"] is False and row["graphs"] == 1
     assert "Tokens DIFFER from eager in: snapstream_64 at 200." in compiled.note([row])
@@ -353,10 +392,15 @@ def test_tokens_equal_is_false_when_the_compiled_step_decodes_other_tokens(model
 
 def decode(eager_ms, compiled_ms, tokens=(1, 2, 3, 4), shares=None, **over) -> compiled.Decode:
     """A measurement with chosen step times (ms, decode order) and tokens."""
-    fields = dict(times={"eager": [t / 1e3 for t in eager_ms], "compiled": [t / 1e3 for t in compiled_ms]},
-                  tokens={"eager": [1, 2, 3, 4], "compiled": list(tokens)},
-                  kv_read={"eager": 1e9, "compiled": 2e9}, compile_s=12.345, cache_hit=False, graphs=1,
-                  shares=shares)  # fmt: skip
+    fields = dict(
+        times={"eager": [t / 1e3 for t in eager_ms], "compiled": [t / 1e3 for t in compiled_ms]},
+        tokens={"eager": [1, 2, 3, 4], "compiled": list(tokens)},
+        kv_read={"eager": 1e9, "compiled": 2e9},
+        compile_s=12.345,
+        cache_hit=False,
+        graphs=1,
+        shares=shares,
+    )
     return compiled.Decode(**(fields | over))
 
 
@@ -389,9 +433,17 @@ def test_compiled_row_ratios_come_from_the_right_columns():
 
 
 def target_row(speedup, pct, **over) -> dict:
-    return {"config": "snapstream_512", "prompt_tokens": 4096, "speedup": speedup, "compiled_pct_of_floor": pct,
-            "eager_pct_of_floor": 196.0, "compiled_matmul_pct": 77.0, "compiled_attention_pct": 8.0, "ceiling_x": 1.41,
-            "tokens_equal": True} | over  # fmt: skip
+    return {
+        "config": "snapstream_512",
+        "prompt_tokens": 4096,
+        "speedup": speedup,
+        "compiled_pct_of_floor": pct,
+        "eager_pct_of_floor": 196.0,
+        "compiled_matmul_pct": 77.0,
+        "compiled_attention_pct": 8.0,
+        "ceiling_x": 1.41,
+        "tokens_equal": True,
+    } | over
 
 
 def test_summary_states_the_target_as_measured():

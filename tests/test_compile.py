@@ -56,8 +56,13 @@ def prompts(lengths, seed=3):
 
 def gen(model, ids, method, mask=None, backend=None, new=30, **kw):
     """Greedy (unless kw says otherwise) generation of exactly `new` tokens; `backend`: compiled with it."""
-    settings = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, output_logits=True,
-                    return_dict_in_generate=True)  # fmt: skip
+    settings = dict(
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     settings.update(kw)
     if backend is not None:
         settings.update(compile=True, compile_config=compile_config(model, backend=backend))
@@ -86,8 +91,14 @@ def test_static_cache_equals_default_cache(arch, method):
     ids, mask, _ = left_pad(prompts((150, 97, 40, 12)))
     static = KVCache.for_model(method, model, static=True, max_new_tokens=30)
     default = KVCache.for_model(method, model)
-    kw = dict(attention_mask=mask, max_new_tokens=30, min_new_tokens=30, do_sample=False, output_logits=True,
-              return_dict_in_generate=True)  # fmt: skip
+    kw = dict(
+        attention_mask=mask,
+        max_new_tokens=30,
+        min_new_tokens=30,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     with torch.inference_mode():
         out = model.generate(ids, cache=static, disable_compile=True, **kw)
         ref = model.generate(ids, cache=default, **kw)
@@ -172,8 +183,16 @@ def test_shared_prefill_replay_compiles_once():
         for method, rec, replay in ((first, record, None), (other, None, record)):
             cache = KVCache.for_model(method, model, record=rec, replay=replay, static=True)
             with torch.inference_mode(), shared_prefill(model):
-                outs.append(model.generate(ids, cache=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                                           compile_config=compile_config(model, backend=counting)))  # fmt: skip
+                outs.append(
+                    model.generate(
+                        ids,
+                        cache=cache,
+                        max_new_tokens=12,
+                        min_new_tokens=12,
+                        do_sample=False,
+                        compile_config=compile_config(model, backend=counting),
+                    )
+                )
     assert (counting.compiled, counting.runs) == (2, 44)  # two budgets (two shapes), 11 steps x 4 generations
     for method, out in zip((first, other), outs[:2]):
         assert torch.equal(out, gen(model, ids, method, new=12)[0].sequences)
@@ -194,8 +213,11 @@ def test_explain_reports_no_graph_break():
 def test_smollm2_compiles_to_one_graph(smollm2):
     """The embedded model (30 layers): one graph, no recompilation while its ring wraps 3 times."""
     model, tok = smollm2
-    text = tok.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}], tokenize=False,
-                                   add_generation_prompt=True)  # fmt: skip
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Name three rivers in Europe."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
     method = SnapStream(budget=64, recent=16, window=8)  # a short prompt: the spec's padded 16-slot ring
     counting = Counting()

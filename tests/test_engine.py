@@ -15,8 +15,13 @@ from evalkit.lm import generation_config
 from tests.conftest import tiny_model
 from tests.test_compile import Counting
 
-METHODS = [Full(), StreamingLLM(budget=48), SnapKV(budget=64, window=16), SnapStream(budget=64, recent=16, window=8),
-           SnapStream(budget=48, recent=16, window=8, spare_slots="ring")]  # fmt: skip
+METHODS = [
+    Full(),
+    StreamingLLM(budget=48),
+    SnapKV(budget=64, window=16),
+    SnapStream(budget=64, recent=16, window=8),
+    SnapStream(budget=48, recent=16, window=8, spare_slots="ring"),
+]
 LENGTHS = (150, 40, 90, 200, 20)  # longer and shorter than the budgets
 NEW = 24
 
@@ -69,8 +74,13 @@ def test_finished_rows_are_refilled_at_once_and_static_batching_idles():
     model = tiny_model("llama", seed=3)
     ids = prompts() * 2
     limits = [4, 30, 8, 30, 6, 30, 5, 30, 7, 30]  # an AIME-like mix of short and long generations
-    reqs = lambda: [Request(str(i), x, n, SnapStream(budget=64, recent=16, window=8), settings(False, n), i)  # noqa: E731
-                    for i, (x, n) in enumerate(zip(ids, limits))]  # fmt: skip
+
+    def reqs():
+        return [
+            Request(str(i), x, n, SnapStream(budget=64, recent=16, window=8), settings(False, n), i)  # noqa: E731
+            for i, (x, n) in enumerate(zip(ids, limits))
+        ]
+
     cont, c = engine_run(model, reqs(), rows=4)
     stat, s = engine_run(model, reqs(), rows=4, continuous=False)
     assert {k: d.tokens for k, d in cont.items()} == {k: d.tokens for k, d in stat.items()}
@@ -96,8 +106,19 @@ def test_a_prompts_budgets_share_one_prefill_and_decode_side_by_side(monkeypatch
 
     monkeypatch.setattr(model, "forward", counting)
     record = PrefillRecord(window=32)
-    reqs = [Request(str(n), ids, NEW, m, settings(True), 7, record=record if n == 0 else None,
-                    replay=record if n else None) for n, m in enumerate(budgets)]  # fmt: skip
+    reqs = [
+        Request(
+            str(n),
+            ids,
+            NEW,
+            m,
+            settings(True),
+            7,
+            record=record if n == 0 else None,
+            replay=record if n else None,
+        )
+        for n, m in enumerate(budgets)
+    ]
     held = weakref.ref(record)
     del record
     got, engine = engine_run(model, reqs, rows=4)
@@ -115,8 +136,13 @@ def compiled_equals_eager(arch: str, limits: list[int], min_steps: int):
     model = tiny_model(arch, seed=3)
     ids = (prompts() * 4)[: len(limits)]
     methods = [SnapStream(budget=32, recent=16, window=8), StreamingLLM(budget=24)]
-    reqs = lambda: [Request(str(i), x, n, methods[i % 2], settings(False, n), i)  # noqa: E731
-                    for i, (x, n) in enumerate(zip(ids, limits))]  # fmt: skip
+
+    def reqs():
+        return [
+            Request(str(i), x, n, methods[i % 2], settings(False, n), i)  # noqa: E731
+            for i, (x, n) in enumerate(zip(ids, limits))
+        ]
+
     eager, _ = engine_run(model, reqs(), rows=3)
     backend = Counting()
     compiled, engine = engine_run(model, reqs(), rows=3, compile=backend)

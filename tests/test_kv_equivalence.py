@@ -39,9 +39,15 @@ def reference(model, ids):
 
 def compressed(model, ids, method):
     out, stats = generate(
-        model, ids, method, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True,
+        model,
+        ids,
+        method,
+        max_new_tokens=NEW,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
         min_new_tokens=NEW,
-    )  # fmt: skip
+    )
     return out, stats
 
 

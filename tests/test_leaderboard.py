@@ -124,17 +124,26 @@ def test_paired_columns_come_from_the_report(tmp_path):
     assert row.paired_diff == pytest.approx(100 * (27 - 29) / 29, **csv)  # over the 29 shared samples
     assert row.paired_diff != pytest.approx(row.score - 100 * 29 / 30, **csv)  # not the unpaired gap
     assert (row.ci_low, row.ci_high, row.p_value, row.verdict, row.n_paired) == (
-        pytest.approx(cells["ci_low"], **csv), pytest.approx(cells["ci_high"], **csv),
-        pytest.approx(cells["p_value"], **csv), cells["verdict"], 29,
-    )  # fmt: skip
+        pytest.approx(cells["ci_low"], **csv),
+        pytest.approx(cells["ci_high"], **csv),
+        pytest.approx(cells["p_value"], **csv),
+        cells["verdict"],
+        29,
+    )
     w = wide[wide.method == "snapstream"].iloc[0]
     assert w["256_vs_full"] == pytest.approx(row.paired_diff) and w["256_verdict"] == row.verdict
 
 
 def test_cli_help_prints_usage_and_writes_nothing(tmp_path):
     """Issue 16: `python -m evalkit.leaderboard --help` created a folder named `--help`."""
-    out = subprocess.run([sys.executable, "-m", "evalkit.leaderboard", "--help"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT)})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "evalkit.leaderboard", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr
     assert "usage:" in out.stdout and "results_dir" in out.stdout
     assert list(tmp_path.iterdir()) == []

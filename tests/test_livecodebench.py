@@ -189,18 +189,33 @@ def test_stdio_equal(out, expected, equal):
 
 @pytest.mark.parametrize(
     ("out", "expected", "equal"),
-    [("[1, 2]", "[1,2]", True), ("2", "2.0", True), ("true", "1", True), (None, "[1]", False),
-     ('{"1": 2}', '{"1": 2}', True), ("[[1, 2]]", "[[1, 2]]", True), ("1.0000001", "1", False)],
-)  # fmt: skip
+    [
+        ("[1, 2]", "[1,2]", True),
+        ("2", "2.0", True),
+        ("true", "1", True),
+        (None, "[1]", False),
+        ('{"1": 2}', '{"1": 2}', True),
+        ("[[1, 2]]", "[[1, 2]]", True),
+        ("1.0000001", "1", False),
+    ],
+)
 def test_call_equal(out, expected, equal):
     assert grade.call_equal(out, expected) is equal
 
 
 @pytest.mark.parametrize(
     ("n", "c", "k", "value"),
-    [(10, 0, 1, 0.0), (10, 10, 5, 1.0), (5, 2, 1, 0.4), (5, 2, 2, 0.7), (5, 4, 2, 1.0), (8, 1, 8, 1.0),
-     (8, 1, 4, 0.5), (3, 1, 2, 2 / 3)],
-)  # fmt: skip
+    [
+        (10, 0, 1, 0.0),
+        (10, 10, 5, 1.0),
+        (5, 2, 1, 0.4),
+        (5, 2, 2, 0.7),
+        (5, 4, 2, 1.0),
+        (8, 1, 8, 1.0),
+        (8, 1, 4, 0.5),
+        (3, 1, 2, 2 / 3),
+    ],
+)
 def test_pass_at_k(n, c, k, value):
     assert grade.pass_at_k(n, c, k) == pytest.approx(value)
 
@@ -229,10 +244,19 @@ def row(qid="abc001_a", private="json", **over) -> dict:
     cases = [{"input": "2\n", "output": "4\n", "testtype": "stdin"}]
     text = json.dumps(cases)
     encoded = text if private == "json" else base64.b64encode(zlib.compress(pickle.dumps(text))).decode()
-    r = {"question_title": "Double", "question_content": "Print twice N.", "platform": "atcoder",
-         "question_id": qid, "contest_id": "abc001", "contest_date": "2024-05-04T00:00:00", "starter_code": "",
-         "difficulty": "easy", "public_test_cases": json.dumps([{"input": "1\n", "output": "2\n", "testtype": "stdin"}]),
-         "private_test_cases": encoded, "metadata": "{}"}  # fmt: skip
+    r = {
+        "question_title": "Double",
+        "question_content": "Print twice N.",
+        "platform": "atcoder",
+        "question_id": qid,
+        "contest_id": "abc001",
+        "contest_date": "2024-05-04T00:00:00",
+        "starter_code": "",
+        "difficulty": "easy",
+        "public_test_cases": json.dumps([{"input": "1\n", "output": "2\n", "testtype": "stdin"}]),
+        "private_test_cases": encoded,
+        "metadata": "{}",
+    }
     return {**r, **over}
 
 
@@ -254,8 +278,15 @@ def test_loader_upstream_schema_both_encodings_and_malformed_rows(tmp_path):
     assert got.source == f"local:{path}" and [s.id for s in got.samples] == ["a_json", "b_pickled"]
     assert lcb.tests_of(got.samples[1].meta) == Cases(["1\n", "2\n"], ["2\n", "4\n"], None)
     reasons = {s.id: s.reason for s in got.skipped}
-    assert set(reasons) == {"c_bad_difficulty", "d_no_tests", "e_bad_payload", "f_functional_not_json",
-                            "g_missing", "a_json", "test.jsonl:9"}  # fmt: skip
+    assert set(reasons) == {
+        "c_bad_difficulty",
+        "d_no_tests",
+        "e_bad_payload",
+        "f_functional_not_json",
+        "g_missing",
+        "a_json",
+        "test.jsonl:9",
+    }
     assert "duplicate" in reasons["a_json"] and "no test cases" in reasons["d_no_tests"]
     assert "starter_code" in reasons["g_missing"]
 
@@ -350,19 +381,28 @@ STDIN = Cases(["1 2\n", "5 7\n"], ["3\n", "12\n"], None)
         ("a, b = map(int, input().split())\nprint(a + b)", "passed"),
         ("import sys\nprint(sum(map(int, sys.stdin.read().split())))", "passed"),
         ("import sys\nprint(sum(map(int, sys.stdin.buffer.read().split())))", "passed"),
-        ("def main():\n    print(sum(map(int, input().split())))\n\nif __name__ == '__main__':\n    main()", "passed"),
+        (
+            "def main():\n    print(sum(map(int, input().split())))\n\nif __name__ == '__main__':\n    main()",
+            "passed",
+        ),
         ("import sys\nprint(sum(map(int, input().split())))\nsys.exit(0)\nprint('unreachable')", "passed"),
         ("counter = []\ncounter.append(1)\nprint(sum(map(int, input().split())) * len(counter))", "passed"),
         ("print(sum(map(int, input().split())))\ninput()", "runtime_error"),  # EOFError
         ("import os\nos._exit(0)", "runtime_error"),  # gone before reporting
-        ("import os\nos.kill(os.getpid(), 9)", "runtime_error"),  # upstream's reliability_guard: os.kill is None
+        (
+            "import os\nos.kill(os.getpid(), 9)",
+            "runtime_error",
+        ),  # upstream's reliability_guard: os.kill is None
         ("import signal\nsignal.raise_signal(9)", "sandbox_kill"),
-        ("import os\nwhile True:\n    os.write(1, b'x' * 65536)", "timeout"),  # real stdout: not graded, not kept
+        (
+            "import os\nwhile True:\n    os.write(1, b'x' * 65536)",
+            "timeout",
+        ),  # real stdout: not graded, not kept
         # hostile or odd output is judged, never crashes the grader
         ("input()\nprint('sNaN')", "wrong_answer"),  # a signalling NaN cannot be compared
         ("import os\nos.write(3, b'[' * 100000 + b'\\n')\ninput()", "runtime_error"),  # too deep to decode
     ],
-)  # fmt: skip
+)
 def test_stdin_semantics(code, outcome):
     assert grade.grade(code, STDIN).outcome == outcome
 
@@ -484,9 +524,15 @@ def test_stdin_forms_side_by_side_with_upstream(bracket_tests, tmp_path):
         f"sys.argv = {driver.ARGV!r}\n"
         "res, _ = evaluate_generations([sample], [job['codes']], num_process_evaluate=2, timeout=6)\n"
         "print(json.dumps(res[0]))\n"
-    )  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", script, checkout, str(tmp_path / "job.json")], stdin=subprocess.DEVNULL,
-                         capture_output=True, text=True, check=True, cwd=checkout).stdout  # fmt: skip
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, checkout, str(tmp_path / "job.json")],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=checkout,
+    ).stdout
     results = json.loads(out.strip().splitlines()[-1])
     assert [True if all(x is True for x in r) else r[-1] for r in results] == [u for _, _, u, _ in FORMS]
 
@@ -497,22 +543,49 @@ CALL = Cases(["[3,1,2]", "[5]"], ["[1, 3]", "[5, 5]"], "extremes")
 @pytest.mark.parametrize(
     ("code", "outcome"),
     [
-        ("class Solution:\n    def extremes(self, nums: List[int]) -> List[int]:\n        return [min(nums), max(nums)]", "passed"),
-        ("class Solution:\n    def extremes(self, nums):\n        return min(nums), max(nums)", "passed"),  # tuple
+        (
+            "class Solution:\n    def extremes(self, nums: List[int]) -> List[int]:\n        return [min(nums), max(nums)]",
+            "passed",
+        ),
+        (
+            "class Solution:\n    def extremes(self, nums):\n        return min(nums), max(nums)",
+            "passed",
+        ),  # tuple
         ("def extremes(nums):\n    return [min(nums), max(nums)]", "passed"),  # no class: module function
-        ("class Solution:\n    def extremes(self, nums):\n        print('debug' * 1000)\n        return [min(nums), max(nums)]", "passed"),
-        ("import numpy as np\nclass Solution:\n    def extremes(self, nums):\n        return [np.int64(min(nums)), np.int64(max(nums))]", "passed"),  # numpy loaded before the guard, as upstream
-        ("class Solution:\n    def extremes(self, nums):\n        return [[min(nums), max(nums)]]", "wrong_answer"),
+        (
+            "class Solution:\n    def extremes(self, nums):\n        print('debug' * 1000)\n        return [min(nums), max(nums)]",
+            "passed",
+        ),
+        (
+            "import numpy as np\nclass Solution:\n    def extremes(self, nums):\n        return [np.int64(min(nums)), np.int64(max(nums))]",
+            "passed",
+        ),  # numpy loaded before the guard, as upstream
+        (
+            "class Solution:\n    def extremes(self, nums):\n        return [[min(nums), max(nums)]]",
+            "wrong_answer",
+        ),
         ("class Solution:\n    def extremes(self, nums):\n        return object()", "wrong_answer"),
         ("class Solution:\n    def extremes(self, nums):\n        import sys; sys.exit(0)", "runtime_error"),
-        ("class Solution:\n    def extremes(self, nums):\n        quit()", "runtime_error"),  # guard: quit is None
-        ("import resource\nclass Solution:\n    def extremes(self, nums):\n        return [min(nums), max(nums)]", "compile_error"),  # guard
+        (
+            "class Solution:\n    def extremes(self, nums):\n        quit()",
+            "runtime_error",
+        ),  # guard: quit is None
+        (
+            "import resource\nclass Solution:\n    def extremes(self, nums):\n        return [min(nums), max(nums)]",
+            "compile_error",
+        ),  # guard
         ("class Solution:\n    def other(self, nums):\n        return nums", "compile_error"),
         ("import sys\nsys.exit(1)", "compile_error"),
-        ("class Solution:\n    def extremes(self, nums):\n        x = []\n        for _ in range(5000):\n            x = [x]\n        return x", "wrong_answer"),  # nested too deep for the host's decoder
-        ("import os\nclass Solution:\n    def extremes(self, nums):\n        os.write(3, b'{\"ev\": \"test\", \"i\": 0, \"out\": 5}\\n')\n        return nums", "wrong_answer"),  # forged event
+        (
+            "class Solution:\n    def extremes(self, nums):\n        x = []\n        for _ in range(5000):\n            x = [x]\n        return x",
+            "wrong_answer",
+        ),  # nested too deep for the host's decoder
+        (
+            'import os\nclass Solution:\n    def extremes(self, nums):\n        os.write(3, b\'{"ev": "test", "i": 0, "out": 5}\\n\')\n        return nums',
+            "wrong_answer",
+        ),  # forged event
     ],
-)  # fmt: skip
+)
 def test_functional_semantics(code, outcome):
     assert grade.grade(code, CALL).outcome == outcome
 
@@ -644,8 +717,9 @@ def test_score_many_pools_problems_and_memoizes(loaded, counted_runs):
     for (_, s), m in zip(items, pooled):
         outcomes = ["passed", *SOLUTIONS[s.id]["wrong"], "no_code"]
         assert m == lcb.metrics(outcomes, s.meta["difficulty"])
-    assert [m["pass@1"] for m in per_repeat] == [100.0 * (o == "passed") for p, s in items
-                                                  for o in ["passed", *SOLUTIONS[s.id]["wrong"], "no_code"]]  # fmt: skip
+    assert [m["pass@1"] for m in per_repeat] == [
+        100.0 * (o == "passed") for p, s in items for o in ["passed", *SOLUTIONS[s.id]["wrong"], "no_code"]
+    ]
 
 
 def test_pool_decodes_each_problem_once_and_when_due(monkeypatch):

@@ -29,18 +29,56 @@ from evalkit.memory.report import deployment, row
 ROOT = Path(__file__).resolve().parents[1]
 
 # The fields the formulas read, from each model's config.json.
-LLAMA31_8B = dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
-                  head_dim=128, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)  # fmt: skip
-QWEN3_8B = dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                hidden_size=4096, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False)  # fmt: skip
-DEEPSEEK_R1 = dict(num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
-                   kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                   n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, moe_intermediate_size=2048,
-                   intermediate_size=18432, first_k_dense_replace=3, vocab_size=129280,
-                   tie_word_embeddings=False)  # fmt: skip
+LLAMA31_8B = dict(
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    hidden_size=4096,
+    head_dim=128,
+    intermediate_size=14336,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
+QWEN3_8B = dict(
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    hidden_size=4096,
+    intermediate_size=12288,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+)
+DEEPSEEK_R1 = dict(
+    num_hidden_layers=61,
+    hidden_size=7168,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    moe_intermediate_size=2048,
+    intermediate_size=18432,
+    first_k_dense_replace=3,
+    vocab_size=129280,
+    tie_word_embeddings=False,
+)
 # The embedded model, SmolLM2-135M-Instruct (Llama architecture).
-SMOLLM2 = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_size=576,
-               intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)  # fmt: skip
+SMOLLM2 = dict(
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    hidden_size=576,
+    intermediate_size=1536,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+)
 
 
 def compose_cfg(*overrides: str) -> dict:
@@ -91,9 +129,15 @@ def test_deepseek_weights_fp8_and_active_parameters():
 
 @pytest.mark.parametrize(
     "method, budget, expected",
-    [("full", None, 1000 + 50), ("none", None, 1050), ("snapstream", 256, 256), ("streaming_llm", 256, 256),
-     ("streamingllm", 1000, 1000), ("snapkv", 256, 256 + 50)],
-)  # fmt: skip
+    [
+        ("full", None, 1000 + 50),
+        ("none", None, 1050),
+        ("snapstream", 256, 256),
+        ("streaming_llm", 256, 256),
+        ("streamingllm", 1000, 1000),
+        ("snapkv", 256, 256 + 50),
+    ],
+)
 def test_kv_entries_per_method(method, budget, expected):
     assert kv_entries(method, budget, context=1000, decode=50) == expected
 
@@ -155,11 +199,33 @@ def test_capacity_limited_batches_regression_snapshot(tmp_path):
     "name, spec",
     [
         # /work/shared/spec/sn40l.md, per socket: Table II of arXiv 2405.07518, 16 sockets per SambaRack node
-        ("sn40l", dict(sockets=16, sram_mib=520, hbm_gib=64, hbm_tb_s=1.8, ddr_gib=1536, ddr_gb_s=200, bf16_tflops=638)),
+        (
+            "sn40l",
+            dict(
+                sockets=16,
+                sram_mib=520,
+                hbm_gib=64,
+                hbm_tb_s=1.8,
+                ddr_gib=1536,
+                ddr_gb_s=200,
+                bf16_tflops=638,
+            ),
+        ),
         # the Hot Chips 2024 bandwidths (HBM 1.6 TB/s, DDR 100 GB/s), everything else as Table II
-        ("sn40l_hc24", dict(sockets=16, sram_mib=520, hbm_gib=64, hbm_tb_s=1.6, ddr_gib=1536, ddr_gb_s=100, bf16_tflops=638)),
+        (
+            "sn40l_hc24",
+            dict(
+                sockets=16,
+                sram_mib=520,
+                hbm_gib=64,
+                hbm_tb_s=1.6,
+                ddr_gib=1536,
+                ddr_gb_s=100,
+                bf16_tflops=638,
+            ),
+        ),
     ],
-)  # fmt: skip
+)
 def test_hardware_confs_equal_the_spec_literals(tmp_path, name, spec):
     hw = compose_cfg(f"results_dir={tmp_path}", f"hardware={name}")["hardware"]
     assert {k: hw[k] for k in spec} == spec
@@ -195,8 +261,12 @@ def test_kv_over_hbm_spills_on_sn40l_and_does_not_fit_on_a_gpu(tmp_path):
 
 
 def test_tp_kv_heads_shards_one_sequence(tmp_path):
-    cfg = compose_cfg(f"results_dir={tmp_path}", "hardware=h200", "model.kv_layout=per_head",
-                      "parallel.attention=tp_kv_heads")  # fmt: skip
+    cfg = compose_cfg(
+        f"results_dir={tmp_path}",
+        "hardware=h200",
+        "model.kv_layout=per_head",
+        "parallel.attention=tp_kv_heads",
+    )
     r = row(deployment(cfg), cfg, 32768, "full", None)
     assert r["kv_bytes_per_seq_socket"] * 8 == r["kv_bytes_per_seq"]
 
@@ -207,8 +277,9 @@ def test_tp_kv_heads_shards_one_sequence(tmp_path):
 SMOL_BYTES_PER_ENTRY = 2 * 30 * 3 * 64 * 4  # 2 (K, V) x layers x KV heads x head_dim x fp32
 
 
-def write_run(root: Path, run: str, method: str, budget, entries: int, peak_bytes: int, lengths=(2000, 2064),
-              **model) -> None:  # fmt: skip
+def write_run(
+    root: Path, run: str, method: str, budget, entries: int, peak_bytes: int, lengths=(2000, 2064), **model
+) -> None:
     """A metrics.json with the fields the runner promises; `model` overrides the SmolLM2 defaults.
     `lengths`: the peak request's (prompt, seen) tokens; None writes an older file without them."""
     model = {"name": run.split("/")[0], "dtype": "float32", "hf_config": SMOLLM2} | model
@@ -227,8 +298,13 @@ def test_predicted_matches_measured_for_synthetic_runs(tmp_path):
 
     smol = LlamaConfig(**SMOLLM2).to_dict()  # the shape the runner writes: config.to_dict()
     # (prompt, seen) = (2000, 2064) by default: full holds 2064, snapkv min(2000, 256) + 64 decoded
-    runs = [("none", None, 2064), ("snapstream", 256, 256), ("streaming_llm", 128, 128),
-            ("snapkv", 256, 256 + 64), ("snapstream", 1024, 1024)]  # fmt: skip
+    runs = [
+        ("none", None, 2064),
+        ("snapstream", 256, 256),
+        ("streaming_llm", 128, 128),
+        ("snapkv", 256, 256 + 64),
+        ("snapstream", 1024, 1024),
+    ]
     for method, budget, entries in runs:
         peak = SMOL_BYTES_PER_ENTRY * entries
         write_run(tmp_path, f"smollm2_135m/{method}/{budget}", method, budget, entries, peak, hf_config=smol)
@@ -394,10 +470,19 @@ def test_in_process_report_for_a_local_hf_config_on_h200(tmp_path):
     from transformers import Qwen3Config
 
     Qwen3Config(**QWEN3_8B).save_pretrained(tmp_path / "qwen3_8b")  # a local folder, as model.hf accepts
-    overrides = ["hardware=h200", f"model.hf={tmp_path / 'qwen3_8b'}", "model.name=qwen3_8b",
-                 "model.num_parameters=null", "model.weight_dtype=bf16", "mtp_factor=1", "paper_check=false",
-                 "context_lens=[32768]", "budgets=[4096]", "methods=[full,snapstream,snapkv,streamingllm]",
-                 "decode_len=1024"]  # fmt: skip
+    overrides = [
+        "hardware=h200",
+        f"model.hf={tmp_path / 'qwen3_8b'}",
+        "model.name=qwen3_8b",
+        "model.num_parameters=null",
+        "model.weight_dtype=bf16",
+        "mtp_factor=1",
+        "paper_check=false",
+        "context_lens=[32768]",
+        "budgets=[4096]",
+        "methods=[full,snapstream,snapkv,streamingllm]",
+        "decode_len=1024",
+    ]
     cfg = compose_cfg(f"results_dir={tmp_path}", *overrides)
     paths = write_report(cfg)
     assert {p.name for p in paths.values()} >= {"report.csv", "report.md", "kv_vs_context.png"}
@@ -432,16 +517,21 @@ def test_entry_point_unknown_flag_is_a_usage_error(tmp_path):
     "override, field",
     [
         # issue 15 item 7: each of these wrote a report (or a traceback) before
-        ("mtp_factor=-2", "mtp_factor must be a number >= 1"), ("mtp_factor=0", "mtp_factor must be a number >= 1"),
-        ("kv_reserve_gib=-5", "kv_reserve_gib must be"), ("budgets=[abc]", "budgets must be"), ("batch=0", "batch must be"),
+        ("mtp_factor=-2", "mtp_factor must be a number >= 1"),
+        ("mtp_factor=0", "mtp_factor must be a number >= 1"),
+        ("kv_reserve_gib=-5", "kv_reserve_gib must be"),
+        ("budgets=[abc]", "budgets must be"),
+        ("batch=0", "batch must be"),
         # overrides Hydra cannot compose: its own message, as evalkit's error
-        ("hardware=nope", "Could not find 'hardware/nope'"), ("nokey=1", "Could not override 'nokey'"),
+        ("hardware=nope", "Could not find 'hardware/nope'"),
+        ("nokey=1", "Could not override 'nokey'"),
         ("--multirun", "--multirun"),
         # rules only the model and the sweep can check
-        ("parallel.tp=3", "parallel.tp=3"), ("budgets=[262144]", "method.budget=262144"),
+        ("parallel.tp=3", "parallel.tp=3"),
+        ("budgets=[262144]", "method.budget=262144"),
         ("~model.hf_config.num_hidden_layers", "num_hidden_layers"),
     ],
-)  # fmt: skip
+)
 def test_entry_point_bad_input_exits_2_without_traceback(tmp_path, override, field):
     proc = run_cli(f"results_dir={tmp_path}", override)
     assert proc.returncode == 2, proc.stderr

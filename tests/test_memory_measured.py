@@ -10,8 +10,13 @@ from evalkit.run import run
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    base = ["model=tiny_llama", "task.load.n=1", "task.load.lengths=[1024]",
-            "task.load.tasks=[niah_single_1,vt]", f"results_dir={out}"]  # fmt: skip
+    base = [
+        "model=tiny_llama",
+        "task.load.n=1",
+        "task.load.lengths=[1024]",
+        "task.load.tasks=[niah_single_1,vt]",
+        f"results_dir={out}",
+    ]
     for method, budgets in (
         ("full", "null"),
         ("streamingllm", "64"),

@@ -137,8 +137,15 @@ def test_repeats_of_a_problem_stay_together(tmp_path):
     assert cell["n_paired"] == 40 and cell["test"] == "sign-flip"  # k > 1: not McNemar
 
     def ci(a, b):
-        r = sps.bootstrap((a, b), lambda x, y, axis=-1: np.mean(x - y, axis=axis), paired=True, vectorized=True,
-                          n_resamples=20_000, method="percentile", rng=np.random.default_rng(1))  # fmt: skip
+        r = sps.bootstrap(
+            (a, b),
+            lambda x, y, axis=-1: np.mean(x - y, axis=axis),
+            paired=True,
+            vectorized=True,
+            n_resamples=20_000,
+            method="percentile",
+            rng=np.random.default_rng(1),
+        )
         return r.confidence_interval.low, r.confidence_interval.high
 
     lo, hi = ci(100.0 * co, 100.0 * fo)
@@ -151,8 +158,10 @@ def test_repeats_of_a_problem_stay_together(tmp_path):
 def test_differing_repeat_counts_pair_by_repeat_index(tmp_path):
     """Repeats are paired on their index: a run with 2 repeats against one with 4 compares repeats 0-1;
     cons@k is not a mean over repeats, so those problems are left out of it and counted."""
-    full = [sample_row(f"p{i}", [{"pass@1": 100.0, "cons@k": 100.0}] * 2 + [{"pass@1": 0.0, "cons@k": 0.0}] * 2)
-            for i in range(30)]  # fmt: skip
+    full = [
+        sample_row(f"p{i}", [{"pass@1": 100.0, "cons@k": 100.0}] * 2 + [{"pass@1": 0.0, "cons@k": 0.0}] * 2)
+        for i in range(30)
+    ]
     for r in full:
         r["scores"]["cons@k"] = 100.0  # majority over 4 (a tie broken to the first): not the mean, 50
     comp = [sample_row(f"p{i}", [{"pass@1": 100.0, "cons@k": 100.0}] * 2) for i in range(30)]
@@ -168,8 +177,14 @@ def test_differing_repeat_counts_pair_by_repeat_index(tmp_path):
 
 def test_crossed_breakdowns_and_extra_metrics(tmp_path):
     """LongBench-v2 subsets `easy|short` give `accuracy/easy@short`; conf/report.yaml adds AIME's cons@k."""
-    rows = [sample_row(f"q{i}", [{"accuracy": 100.0, "accuracy/easy": 100.0, "accuracy/short": 100.0,
-                                  "no_answer": 0.0}], subset="easy|short") for i in range(3)]  # fmt: skip
+    rows = [
+        sample_row(
+            f"q{i}",
+            [{"accuracy": 100.0, "accuracy/easy": 100.0, "accuracy/short": 100.0, "no_answer": 0.0}],
+            subset="easy|short",
+        )
+        for i in range(3)
+    ]
     write_run(tmp_path, rows, method="full", budget=None, task="longbench_v2", headline="accuracy")
     write_run(tmp_path, rows, budget=256, task="longbench_v2", headline="accuracy")
     c, fulls = the_pair(tmp_path)
@@ -268,8 +283,10 @@ def test_bad_input_is_named_and_the_rest_of_the_report_is_written(tmp_path):
     assert (
         "aime24/smollm2_135m/snapstream/256: no `full` run of model smollm2_135m on task aime24" in problems
     )
-    assert ("longbench_v2/smollm2_135m/snapstream/256 cannot be paired with longbench_v2/smollm2_135m/full/none: "
-            "task_version 2 vs 1") in problems  # fmt: skip
+    assert (
+        "longbench_v2/smollm2_135m/snapstream/256 cannot be paired with longbench_v2/smollm2_135m/full/none: "
+        "task_version 2 vs 1"
+    ) in problems
     assert f"{empty.relative_to(tmp_path / 'runs').as_posix()}: empty run" in problems
     assert "streamingllm/64/metrics.json: skipped (JSONDecodeError" in problems
     assert "## ruler / smollm2_135m" in md and "| snapstream | 256 |" in md  # the good pair is still there
@@ -291,8 +308,14 @@ def test_unreadable_samples_file_names_the_line(tmp_path):
 
 
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "evalkit.report", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=180, env={"PYTHONPATH": str(ROOT), "HOME": str(cwd)})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "evalkit.report", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={"PYTHONPATH": str(ROOT), "HOME": str(cwd)},
+    )
 
 
 def test_cli_help_and_bad_settings(tmp_path):

@@ -29,9 +29,16 @@ def rng(seed=0):
 
 
 def scipy_paired_ci(c, f, resamples=20_000):
-    res = sps.bootstrap((c, f), lambda a, b, axis=-1: np.mean(a - b, axis=axis), paired=True,
-                        vectorized=True, n_resamples=resamples, method="percentile",
-                        confidence_level=0.95, rng=np.random.default_rng(1))  # fmt: skip
+    res = sps.bootstrap(
+        (c, f),
+        lambda a, b, axis=-1: np.mean(a - b, axis=axis),
+        paired=True,
+        vectorized=True,
+        n_resamples=resamples,
+        method="percentile",
+        confidence_level=0.95,
+        rng=np.random.default_rng(1),
+    )
     return res.confidence_interval.low, res.confidence_interval.high
 
 
@@ -119,8 +126,13 @@ def test_mcnemar_equals_scipy_binomtest_everywhere_small():
 def test_sign_flip_exact_equals_scipy_permutation_test(m):
     g = rng(m)
     c, f = g.choice([0.0, 25.0, 100 / 3, 50.0, 100.0], m), g.choice([0.0, 25.0, 50.0, 100.0], m)
-    want = sps.permutation_test((c, f), lambda a, b, axis=-1: np.mean(a - b, axis=axis), vectorized=True,
-                                permutation_type="samples", n_resamples=np.inf).pvalue  # fmt: skip
+    want = sps.permutation_test(
+        (c, f),
+        lambda a, b, axis=-1: np.mean(a - b, axis=axis),
+        vectorized=True,
+        permutation_type="samples",
+        n_resamples=np.inf,
+    ).pvalue
     assert sign_flip_pvalue(c - f, 10_000, rng()) == pytest.approx(want, rel=1e-9)
 
 
@@ -129,8 +141,14 @@ def test_sign_flip_exact_agrees_with_scipy_monte_carlo_at_n120():
     f = g.choice([0.0, 50.0, 100.0], 120)
     c = np.where(g.random(120) < 0.8, f, g.choice([0.0, 50.0, 100.0], 120))
     c[:6] = 0.0  # a real drop
-    want = sps.permutation_test((c, f), lambda a, b, axis=-1: np.mean(a - b, axis=axis), vectorized=True,
-                                permutation_type="samples", n_resamples=50_000, rng=np.random.default_rng(2)).pvalue  # fmt: skip
+    want = sps.permutation_test(
+        (c, f),
+        lambda a, b, axis=-1: np.mean(a - b, axis=axis),
+        vectorized=True,
+        permutation_type="samples",
+        n_resamples=50_000,
+        rng=np.random.default_rng(2),
+    ).pvalue
     got = sign_flip_pvalue(c - f, 50_000, rng())  # exact (a lattice of 50 points)
     assert got == pytest.approx(want, abs=0.006)
 
@@ -138,8 +156,14 @@ def test_sign_flip_exact_agrees_with_scipy_monte_carlo_at_n120():
 def test_sign_flip_monte_carlo_fallback_agrees_with_scipy():
     g = rng(6)
     c, f = g.normal(60, 10, 80), g.normal(57, 10, 80)  # continuous: off any lattice
-    want = sps.permutation_test((c, f), lambda a, b, axis=-1: np.mean(a - b, axis=axis), vectorized=True,
-                                permutation_type="samples", n_resamples=50_000, rng=np.random.default_rng(2)).pvalue  # fmt: skip
+    want = sps.permutation_test(
+        (c, f),
+        lambda a, b, axis=-1: np.mean(a - b, axis=axis),
+        vectorized=True,
+        permutation_type="samples",
+        n_resamples=50_000,
+        rng=np.random.default_rng(2),
+    ).pvalue
     assert sign_flip_pvalue(c - f, 50_000, rng()) == pytest.approx(want, abs=0.004)
 
 

@@ -195,9 +195,18 @@ def test_task_table():
         "qa_1": ("qa", 32, "part"), "qa_2": ("qa", 32, "part"),
     }  # fmt: skip
     assert {k: (s.generator, s.tokens_to_generate, s.metric) for k, s in C.TASKS.items()} == expected
-    args = {k: (s.args.get("type_haystack"), s.args.get("type_needle_k"), s.args.get("type_needle_v"),
-                s.args.get("num_needle_k"), s.args.get("num_needle_v"), s.args.get("num_needle_q"))
-            for k, s in C.TASKS.items() if s.generator == "niah"}  # fmt: skip
+    args = {
+        k: (
+            s.args.get("type_haystack"),
+            s.args.get("type_needle_k"),
+            s.args.get("type_needle_v"),
+            s.args.get("num_needle_k"),
+            s.args.get("num_needle_v"),
+            s.args.get("num_needle_q"),
+        )
+        for k, s in C.TASKS.items()
+        if s.generator == "niah"
+    }
     assert args == {
         "niah_single_1": ("noise", "words", "numbers", 1, 1, 1),
         "niah_single_2": ("essay", "words", "numbers", 1, 1, 1),
@@ -360,7 +369,16 @@ def test_no_data_tasks_fit_lengths(tok, tmp_path):
 
 
 def test_data_tasks_fit_lengths(tok, tmp_path, files):
-    loaded = ruler.load(n=2, tokenizer=tok, lengths=[1024], tasks="all", cache_dir=str(tmp_path), essay_path=files["essay"], squad_path=files["squad"], hotpotqa_path=files["hotpotqa"])  # fmt: skip
+    loaded = ruler.load(
+        n=2,
+        tokenizer=tok,
+        lengths=[1024],
+        tasks="all",
+        cache_dir=str(tmp_path),
+        essay_path=files["essay"],
+        squad_path=files["squad"],
+        hotpotqa_path=files["hotpotqa"],
+    )
     assert len(loaded.samples) == 13 * 2
     check_lengths(loaded.samples, tok, [1024], slack=0.2)  # the QA fixture's documents are coarse units
     for name in ("PaulGrahamEssays.json=sha256:", "squad.json=sha256:", "hotpotqa.json=sha256:", "splitter="):
@@ -396,16 +414,28 @@ def test_real_punkt_splits_like_nltk():
     ],
 )
 def test_score_table(metric, prediction, answers, expected):
-    sample = gen.Sample(id="x", task="ruler", prompt="", answers=answers, max_new_tokens=1,
-                        meta={"task": "t", "length": 4096, "metric": metric})  # fmt: skip
+    sample = gen.Sample(
+        id="x",
+        task="ruler",
+        prompt="",
+        answers=answers,
+        max_new_tokens=1,
+        meta={"task": "t", "length": 4096, "metric": metric},
+    )
     assert ruler.score([prediction], sample) == {
         "score": expected, "score/t": expected, "score/4096": expected, "score/t@4096": expected
     }  # fmt: skip
 
 
 def test_score_means_over_predictions_and_postprocess():
-    sample = gen.Sample(id="x", task="ruler", prompt="", answers=["a1", "b2"], max_new_tokens=1,
-                        meta={"task": "vt", "length": 1024, "metric": "all"})  # fmt: skip
+    sample = gen.Sample(
+        id="x",
+        task="ruler",
+        prompt="",
+        answers=["a1", "b2"],
+        max_new_tokens=1,
+        meta={"task": "vt", "length": 1024, "metric": "all"},
+    )
     assert ruler.score(["A1 B2", "a1", "none"], sample)["score"] == pytest.approx(50.0)
     assert ruler.postprocess("  x\x1by\r\n ") == "x\ny"
 

@@ -209,8 +209,9 @@ def test_evalkit_scores_equal_lm_evals_process_results(tmp_path, monkeypatch):
     tasks = get_task_dict(["evalkit_aime24"], manager)
     for task in tasks.values():
         task.config.repeats = 2
-    result = simple_evaluate(model=Replay(), tasks=list(tasks.values()), log_samples=True, bootstrap_iters=0,
-                             task_manager=manager)  # fmt: skip
+    result = simple_evaluate(
+        model=Replay(), tasks=list(tasks.values()), log_samples=True, bootstrap_iters=0, task_manager=manager
+    )
     journal.close()
     logged = sorted(result["samples"]["evalkit_aime24"], key=lambda s: s["doc_id"])
     rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
@@ -228,8 +229,15 @@ def test_a_malformed_data_file_is_named_in_the_error(tmp_path, no_model):
     essay = tmp_path / "PaulGrahamEssays.json"
     essay.write_text('{"text": "an essay", oops}')
     with pytest.raises(runner.DataError, match=f"{essay}: not valid JSON \\(line 1, column 22"):
-        run("model=tiny_llama", "task=ruler_paper", "task.load.n=1", "task.load.lengths=[1024]",
-            "task.load.tasks=[niah_single_2]", f"task.load.essay_path={essay}", results=tmp_path / "r")  # fmt: skip
+        run(
+            "model=tiny_llama",
+            "task=ruler_paper",
+            "task.load.n=1",
+            "task.load.lengths=[1024]",
+            "task.load.tasks=[niah_single_2]",
+            f"task.load.essay_path={essay}",
+            results=tmp_path / "r",
+        )
 
 
 def test_an_unparsable_json_line_is_a_skipped_row_named_by_file_and_line(tmp_path):

@@ -110,8 +110,14 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, after):
 
 
 def test_two_job_sweep_through_joblib(tmp_path):
-    proc = evalkit("-m", *SMALL, "method=snapstream", "method.budget=64,128", "hydra/launcher=local_parallel",
-                   results=tmp_path)  # fmt: skip
+    proc = evalkit(
+        "-m",
+        *SMALL,
+        "method=snapstream",
+        "method.budget=64,128",
+        "hydra/launcher=local_parallel",
+        results=tmp_path,
+    )
     assert proc.returncode == 0
     launched = (tmp_path / "sweeps" / "multirun.yaml").read_text()  # Hydra records the launcher it used
     assert "JoblibLauncher" in launched and "n_jobs: 2" in launched
@@ -162,8 +168,15 @@ def test_lm_eval_cli_runs_the_task_on_a_tiny_model(tmp_path):
 
 
 def test_longbench_cot_makes_the_second_call_without_the_document(tmp_path):
-    evalkit("model=tiny_llama", "task=longbench_v2_cot", "task.load.n=2", "method=snapstream", "method.budget=128",
-            "model.max_new_tokens=48", results=tmp_path)  # fmt: skip
+    evalkit(
+        "model=tiny_llama",
+        "task=longbench_v2_cot",
+        "task.load.n=2",
+        "method=snapstream",
+        "method.budget=128",
+        "model.max_new_tokens=48",
+        results=tmp_path,
+    )
     out = tmp_path / "runs" / "longbench_v2_cot" / "tiny_llama" / "snapstream" / "128"
     journal = [json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()]
     assert len(journal) == 2

@@ -59,8 +59,15 @@ def test_aime_repeats_reach_pass_at_1_and_cons_at_k(tmp_path, scripted):
 
     first_id = load(n=2, seed=0).samples[0].id
     scripted(script)
-    m = run("model=tiny_llama", "task=aime24", "task.load.n=2", "task.repeats=4", "model.max_new_tokens=4",
-            "method=full", results=tmp_path)[0]  # fmt: skip
+    m = run(
+        "model=tiny_llama",
+        "task=aime24",
+        "task.load.n=2",
+        "task.repeats=4",
+        "model.max_new_tokens=4",
+        "method=full",
+        results=tmp_path,
+    )[0]
     got = rows(tmp_path / "runs/aime24/tiny_llama/full/none")
     assert [r["id"] for r in got][0] == first_id and all(len(r["predictions"]) == 4 for r in got)
     assert got[0]["scores"]["pass@1"] == 75.0 and got[0]["scores"]["cons@k"] == 100.0
@@ -82,8 +89,16 @@ def test_livecodebench_grades_in_the_sandbox_and_records_isolation(tmp_path, scr
         return f"```python\n{solutions[sample.id]['reference'] if r == 0 else wrong}```"
 
     scripted(script)
-    m = run("model=tiny_llama", "task=livecodebench", "task.repeats=2", "model.max_new_tokens=4", "method=full",
-            "task.setup.allow_unisolated=true", f"task.load.source={data}", results=tmp_path)[0]  # fmt: skip
+    m = run(
+        "model=tiny_llama",
+        "task=livecodebench",
+        "task.repeats=2",
+        "model.max_new_tokens=4",
+        "method=full",
+        "task.setup.allow_unisolated=true",
+        f"task.load.source={data}",
+        results=tmp_path,
+    )[0]
     got = {r["id"]: r for r in rows(tmp_path / "runs/livecodebench/tiny_llama/full/none")}
     assert sorted(got) == ids
     for sid in ids:
@@ -96,8 +111,15 @@ def test_livecodebench_grades_in_the_sandbox_and_records_isolation(tmp_path, scr
 
 
 def test_longbench_cot_answer_call_runs_on_a_full_cache(tmp_path):
-    run("model=tiny_llama", "task=longbench_v2_cot", "task.load.n=2", "method=snapstream", "method.budget=128",
-        "model.max_new_tokens=16", results=tmp_path)  # fmt: skip
+    run(
+        "model=tiny_llama",
+        "task=longbench_v2_cot",
+        "task.load.n=2",
+        "method=snapstream",
+        "method.budget=128",
+        "model.max_new_tokens=16",
+        results=tmp_path,
+    )
     for row in rows(tmp_path / "runs/longbench_v2_cot/tiny_llama/snapstream/128"):
         first = row["generation"][0]
         second = first["followup"]
@@ -116,23 +138,43 @@ def test_context_capping_and_middle_truncation_are_counted(tmp_path):
     data.write_text(
         json.dumps({"id": 1, "problem": "Find x. " * 300 + "What is 1 + 1?", "answer": "2"}) + "\n"
     )
-    m = run("model=tiny_llama", "task=aime24", f"task.load.source={data}", "method=full", "model.max_length=600",
-            "model.max_new_tokens=null", results=tmp_path / "long")[0]  # fmt: skip
+    m = run(
+        "model=tiny_llama",
+        "task=aime24",
+        f"task.load.source={data}",
+        "method=full",
+        "model.max_length=600",
+        "model.max_new_tokens=null",
+        results=tmp_path / "long",
+    )[0]
     stats = rows(tmp_path / "long/runs/aime24/tiny_llama/full/none")[0]["generation"][0]
     assert stats["truncated"] and stats["prompt_tokens"] + stats["max_new_tokens"] <= 600
     assert stats["prompt_tokens"] == 300  # the larger of context - new tokens and half the context is kept
     assert m["generation"]["truncated_prompts"] == 1
     # AIME: a short prompt, 32k new tokens asked, in a 600-token context: generation capped, prompt whole
-    m = run("model=tiny_llama", "task=aime24", "task.load.n=1", "method=full", "model.max_length=600",
-            "model.max_new_tokens=null", results=tmp_path / "aime")[0]  # fmt: skip
+    m = run(
+        "model=tiny_llama",
+        "task=aime24",
+        "task.load.n=1",
+        "method=full",
+        "model.max_length=600",
+        "model.max_new_tokens=null",
+        results=tmp_path / "aime",
+    )[0]
     stats = rows(tmp_path / "aime/runs/aime24/tiny_llama/full/none")[0]["generation"][0]
     assert not stats["truncated"] and stats["max_new_tokens"] == 600 - stats["prompt_tokens"]
     assert m["generation"]["truncated_prompts"] == 0
 
 
 def test_shared_prefill_at_batch_size_2_equals_separate_runs(tmp_path):
-    common = ["model=tiny_llama", "task.load.n=2", "task.load.lengths=[1024]", "task.load.tasks=[niah_single_1]",
-              "method=snapstream", "batch_size=2"]  # fmt: skip
+    common = [
+        "model=tiny_llama",
+        "task.load.n=2",
+        "task.load.lengths=[1024]",
+        "task.load.tasks=[niah_single_1]",
+        "method=snapstream",
+        "batch_size=2",
+    ]
     run(*common, "method.budget=[64,128]", results=tmp_path / "shared")
     for budget in ("64", "128"):
         run(*common, f"method.budget={budget}", results=tmp_path / budget)
@@ -143,8 +185,17 @@ def test_shared_prefill_at_batch_size_2_equals_separate_runs(tmp_path):
 
 @pytest.mark.parametrize("after", [1, 5])
 def test_a_sampled_run_killed_mid_way_resumes_to_identical_samples(tmp_path, after):
-    args = ["model=tiny_llama", "task=aime24", "task.load.n=2", "task.repeats=3", "model.max_new_tokens=12",
-            "method=snapstream", "method.budget=64", "method.recent=32", "method.window=16"]  # fmt: skip
+    args = [
+        "model=tiny_llama",
+        "task=aime24",
+        "task.load.n=2",
+        "task.repeats=3",
+        "model.max_new_tokens=12",
+        "method=snapstream",
+        "method.budget=64",
+        "method.recent=32",
+        "method.window=16",
+    ]
     clean = run(*args, results=tmp_path / "clean")[0]
     killed = killed_run(args, tmp_path / "killed", after)
     assert killed.returncode == -9

@@ -39,8 +39,17 @@ def run_forking(code: str, timeout_s: float = 2.0, memory_mb: int = 512) -> sand
     """`run` with fork allowed, as in a cgroup-mode run: the process containment those runs rely on, tested
     on any machine (without a cgroup, real runs forbid fork instead)."""
     iso = sandbox.isolation()
-    res, _ = sandbox._run(code, "", mode="run", require=iso, timeout_s=timeout_s, memory_mb=memory_mb,
-                          cpu_s=timeout_s, cgroup_parent=iso["cgroup"], no_fork=False)  # fmt: skip
+    res, _ = sandbox._run(
+        code,
+        "",
+        mode="run",
+        require=iso,
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        cpu_s=timeout_s,
+        cgroup_parent=iso["cgroup"],
+        no_fork=False,
+    )
     return res
 
 
@@ -280,8 +289,10 @@ def test_environment_secrets_do_not_leak(monkeypatch):
     harness's (visible without a PID namespace), or a harness-side process's that holds the secret in its
     initial environment (which /proc shows; a variable set later, like the one planted here, it does not)."""
     monkeypatch.setenv("HF_TOKEN", "secret-hf-token-1234")
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                              env={**os.environ, "HF_TOKEN": "secret-hf-token-5678"})  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env={**os.environ, "HF_TOKEN": "secret-hf-token-5678"},
+    )
     try:
         code = (
             "import os\nprint(dict(os.environ))\n"
@@ -389,8 +400,12 @@ def test_no_network():
 
 @pytest.mark.parametrize(
     "code",
-    ["import os; os.kill(os.getppid(), 9); print('alive')", "import os; os.kill(-1, 9)", "import os; os.killpg(0, 9)"],
-)  # fmt: skip
+    [
+        "import os; os.kill(os.getppid(), 9); print('alive')",
+        "import os; os.kill(-1, 9)",
+        "import os; os.killpg(0, 9)",
+    ],
+)
 def test_killing_its_parents_harms_only_itself(code):
     """Its parent (the sandbox's init or the harness), `kill(-1)` (every process it may signal) and its own
     process group: a harness-side bystander in its own session must survive, and so must this process."""
@@ -412,9 +427,12 @@ def test_killing_its_parents_harms_only_itself(code):
     [
         ("import sys\nsys.setrecursionlimit(50000)\ndef f(n):\n    return f(n + 1)\nf(0)\n", "runtime_error"),
         # recursion through a C function grows the C stack until SIGSEGV
-        ("import sys\nsys.setrecursionlimit(10**7)\ndef f(n):\n    return max(map(f, [n + 1]))\nf(0)\n", "killed"),
+        (
+            "import sys\nsys.setrecursionlimit(10**7)\ndef f(n):\n    return max(map(f, [n + 1]))\nf(0)\n",
+            "killed",
+        ),
     ],
-)  # fmt: skip
+)
 def test_deep_recursion(code, status):
     assert run(code, timeout_s=10).status == status
 
@@ -447,7 +465,7 @@ def test_first_event_deadline_is_separate():
 @pytest.mark.parametrize(
     "lacking",
     [{"network": None}, {"pid": False, "user": "userns"}, {"pid": False, "user": None}],
-)  # fmt: skip
+)
 def test_refuses_without_isolation(monkeypatch, lacking):
     """No network namespace, or nothing keeping the program's processes from the harness's (a user namespace
     alone runs it as the harness's user, able to kill() it or leave daemons)."""
@@ -484,9 +502,17 @@ def test_malicious_pickled_tests_are_refused():
     payload = base64.b64encode(zlib.compress(pickle.dumps(Evil()))).decode()
     with pytest.raises(pickle.UnpicklingError, match="refused to load"):
         lcb.decode_tests(payload)
-    row = {"question_id": "evil_1", "contest_date": "2024-01-01T00:00:00", "difficulty": "easy",
-           "question_content": "q", "starter_code": "", "platform": "atcoder", "metadata": "{}",
-           "public_test_cases": "[]", "private_test_cases": payload}  # fmt: skip
+    row = {
+        "question_id": "evil_1",
+        "contest_date": "2024-01-01T00:00:00",
+        "difficulty": "easy",
+        "question_content": "q",
+        "starter_code": "",
+        "platform": "atcoder",
+        "metadata": "{}",
+        "public_test_cases": "[]",
+        "private_test_cases": payload,
+    }
     item = lcb._parse(row, 0, datetime.fromisoformat(row["contest_date"]), 2000)
     assert item.id == "evil_1" and "refused to load posix.system" in item.reason
     assert not os.path.exists("/tmp/evalkit-pwned")
@@ -590,15 +616,33 @@ def test_wheel_install_shows_no_task_data(tmp_path):
     for part in ("evalkit", "tasks"):
         shutil.copytree(REPO / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
     pip = [sys.executable, "-m", "pip"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(src)],
-                   check=True, cwd=tmp_path)  # fmt: skip
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(src)],
+        check=True,
+        cwd=tmp_path,
+    )
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
-    subprocess.run([*pip, "--python", str(py), "install", "--no-deps", "--no-index", "-q",
-                    *map(str, wheels.glob("*.whl"))], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            *pip,
+            "--python",
+            str(py),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "-q",
+            *map(str, wheels.glob("*.whl")),
+        ],
+        check=True,
+    )
     # dependencies from this venv, appended after the new venv's own site-packages (its .pth files unread)
-    site = subprocess.run([str(py), "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True,
-                          text=True, check=True).stdout.strip()  # fmt: skip
+    site = subprocess.run(
+        [str(py), "-c", "import site; print(site.getsitepackages()[0])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     deps = [p for p in sys.path if p.endswith("site-packages")]
     Path(site, "evalkit-test-deps.pth").write_text("\n".join(deps) + "\n")
     out = subprocess.run([str(py), "-I", "-c", WHEEL_CHECK], capture_output=True, text=True, cwd=tmp_path)

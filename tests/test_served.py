@@ -206,8 +206,13 @@ def test_a_server_that_is_down_fails_clearly_before_anything_is_journaled(tmp_pa
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
-    cmd = [sys.executable, "-m", "evalkit", *served(f"http://127.0.0.1:{port}/v1", *AIME, "task.load.n=1"),
-           f"results_dir={tmp_path}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "evalkit",
+        *served(f"http://127.0.0.1:{port}/v1", *AIME, "task.load.n=1"),
+        f"results_dir={tmp_path}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"evalkit: error: cannot reach the server at http://127.0.0.1:{port}/v1" in proc.stderr
@@ -299,8 +304,11 @@ def test_the_chat_api_continues_an_answer_prefix():
         system="Be brief.",
     )
     payload = chat._payload(Prompt("t/0/0/0", "unused", 8, {"until": []}, s), "unused")
-    assert payload["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q?"},
-                                   {"role": "assistant", "content": " A:"}]  # fmt: skip
+    assert payload["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Q?"},
+        {"role": "assistant", "content": " A:"},
+    ]
     assert payload["continue_final_message"] is True and payload["add_generation_prompt"] is False
 
 
@@ -333,11 +341,29 @@ def transformers_serve(tmp_path):
 
     folder_ = resolve_source(model_spec("smollm2_135m"))
     port = free_port()
-    cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", folder_, "--host", "127.0.0.1",
-           "--port", str(port), "--device", "cpu", "--dtype", "float32"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "transformers.cli.transformers",
+        "serve",
+        folder_,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    ]
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 300

@@ -19,9 +19,15 @@ def gen(model, ids, cache, sample):
     torch.manual_seed(11)
     with torch.no_grad(), shared_prefill(model):
         return model.generate(
-            ids, cache=cache, max_new_tokens=40, min_new_tokens=40, do_sample=sample, top_k=0,
-            output_logits=True, return_dict_in_generate=True,
-        )  # fmt: skip
+            ids,
+            cache=cache,
+            max_new_tokens=40,
+            min_new_tokens=40,
+            do_sample=sample,
+            top_k=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -47,12 +53,27 @@ def test_replayed_prefill_equals_a_separate_prefill(arch, sample):
 
 
 def test_budget_list_equals_separate_runs(tmp_path):
-    base = [sys.executable, "-m", "evalkit", "model=tiny_llama", "task.load.n=1", "task.load.lengths=[1024]",
-            "method=snapstream"]  # fmt: skip
-    for args, results in ((["method.budget=[64,128]"], "shared"), (["method.budget=64"], "alone"),
-                          (["method.budget=128"], "alone")):  # fmt: skip
-        proc = subprocess.run([*base, *args, f"results_dir={tmp_path / results}"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=600)  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "evalkit",
+        "model=tiny_llama",
+        "task.load.n=1",
+        "task.load.lengths=[1024]",
+        "method=snapstream",
+    ]
+    for args, results in (
+        (["method.budget=[64,128]"], "shared"),
+        (["method.budget=64"], "alone"),
+        (["method.budget=128"], "alone"),
+    ):
+        proc = subprocess.run(
+            [*base, *args, f"results_dir={tmp_path / results}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
     for budget in ("64", "128"):
         folder = {d: tmp_path / d / "runs/ruler/tiny_llama/snapstream" / budget for d in ("shared", "alone")}

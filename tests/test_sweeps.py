@@ -13,8 +13,15 @@ from hydra import compose, initialize_config_dir
 from evalkit.config import CONF_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
-SWEEP = ["-m", "model=tiny_llama", "task.load.n=1", "task.load.lengths=[1024]", "task.load.tasks=[niah_single_1,vt]",
-         "method=snapstream", "method.budget=64,128"]  # fmt: skip
+SWEEP = [
+    "-m",
+    "model=tiny_llama",
+    "task.load.n=1",
+    "task.load.lengths=[1024]",
+    "task.load.tasks=[niah_single_1,vt]",
+    "method=snapstream",
+    "method.budget=64,128",
+]
 
 
 def launcher(name: str):

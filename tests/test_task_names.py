@@ -16,8 +16,14 @@ from evalkit.results import LM_EVAL_PREFIX, task_id
 
 ROOT = Path(__file__).resolve().parents[1]
 # sampled (T=0.6): equal scores before and after the rename also mean equal per-request seeds
-AIME = ["model=tiny_llama", "task=aime24", "task.load.n=2", "model.max_new_tokens=8", "method=streamingllm",
-        "method.budget=64"]  # fmt: skip
+AIME = [
+    "model=tiny_llama",
+    "task=aime24",
+    "task.load.n=2",
+    "model.max_new_tokens=8",
+    "method=streamingllm",
+    "method.budget=64",
+]
 
 
 def test_no_evalkit_task_or_group_name_is_one_lm_eval_ships():

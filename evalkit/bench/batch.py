@@ -17,11 +17,25 @@ def bench_batch(model, tok, batches, new_tokens: int) -> list[dict]:
         start = time.perf_counter()
         for i in range(0, len(texts), b):
             enc = tok(texts[i : i + b], return_tensors="pt", padding=True, add_special_tokens=False)
-            generate(model, enc["input_ids"], SnapStream(budget=256), attention_mask=enc["attention_mask"],
-                     max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)  # fmt: skip
+            generate(
+                model,
+                enc["input_ids"],
+                SnapStream(budget=256),
+                attention_mask=enc["attention_mask"],
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+            )
         wall = time.perf_counter() - start
-        rows.append({"batch_size": b, "requests": len(texts), "new_tokens": new_tokens, "wall_s": round(wall, 2),
-                     "tokens_per_s": round(len(texts) * new_tokens / wall, 2)})  # fmt: skip
+        rows.append(
+            {
+                "batch_size": b,
+                "requests": len(texts),
+                "new_tokens": new_tokens,
+                "wall_s": round(wall, 2),
+                "tokens_per_s": round(len(texts) * new_tokens / wall, 2),
+            }
+        )
         print(f"batch {b}: {rows[-1]['tokens_per_s']} tok/s", flush=True)
     for r in rows:
         r["gain_vs_batch1"] = round(r["tokens_per_s"] / rows[0]["tokens_per_s"], 2)

@@ -154,10 +154,16 @@ def mode_columns(mode: str, times: list[float], weights: int, kv_read: float, ba
     step = statistics.median(times)
     roof = floor_columns(step, weights, kv_read, bandwidth)
     first, last = quarters(times)
-    return {f"{mode}_tok_s": round(1 / step, 2), f"{mode}_step_ms": roof["step_ms"],
-            f"{mode}_kv_read_bytes": roof["kv_read_bytes"], f"{mode}_floor_ms": roof["floor_ms"],
-            f"{mode}_pct_of_floor": roof["step_pct_of_floor"], f"{mode}_first_q_ms": round(1e3 * first, 3),
-            f"{mode}_last_q_ms": round(1e3 * last, 3), f"{mode}_flatness": round(last / first, 3)}  # fmt: skip
+    return {
+        f"{mode}_tok_s": round(1 / step, 2),
+        f"{mode}_step_ms": roof["step_ms"],
+        f"{mode}_kv_read_bytes": roof["kv_read_bytes"],
+        f"{mode}_floor_ms": roof["floor_ms"],
+        f"{mode}_pct_of_floor": roof["step_pct_of_floor"],
+        f"{mode}_first_q_ms": round(1e3 * first, 3),
+        f"{mode}_last_q_ms": round(1e3 * last, 3),
+        f"{mode}_flatness": round(last / first, 3),
+    }
 
 
 def row_for(prompt: int, method, res: Decode, weights: int, bandwidth: float) -> dict:
@@ -166,22 +172,36 @@ def row_for(prompt: int, method, res: Decode, weights: int, bandwidth: float) ->
     eager, compiled = (statistics.median(res.times[m]) for m in ("eager", "compiled"))
     shares = res.shares or {}
     kept = sum(shares.values())  # of the compiled step: what compilation leaves as it is
-    row = {"prompt_tokens": prompt, "config": label(method), "speedup": round(eager / compiled, 3),
-           "tokens_equal": all(res.tokens[m] == res.tokens["eager"] for m in res.tokens),
-           "compile_s": round(res.compile_s, 2), "compile_cache_hit": res.cache_hit, "graphs": res.graphs,
-           "steps": len(res.times["compiled"]), "weight_bytes": weights, "bandwidth_gb_s": round(bandwidth / 1e9, 2),
-           "compiled_matmul_pct": round(100 * shares["matmul"], 1) if shares else None,
-           "compiled_attention_pct": round(100 * shares["attention"], 1) if shares else None,
-           "ceiling_x": round(eager / (kept * compiled), 2) if kept else None}  # fmt: skip
+    row = {
+        "prompt_tokens": prompt,
+        "config": label(method),
+        "speedup": round(eager / compiled, 3),
+        "tokens_equal": all(res.tokens[m] == res.tokens["eager"] for m in res.tokens),
+        "compile_s": round(res.compile_s, 2),
+        "compile_cache_hit": res.cache_hit,
+        "graphs": res.graphs,
+        "steps": len(res.times["compiled"]),
+        "weight_bytes": weights,
+        "bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "compiled_matmul_pct": round(100 * shares["matmul"], 1) if shares else None,
+        "compiled_attention_pct": round(100 * shares["attention"], 1) if shares else None,
+        "ceiling_x": round(eager / (kept * compiled), 2) if kept else None,
+    }
     for mode, times in res.times.items():
         row |= mode_columns(mode, times, weights, res.kv_read[mode], bandwidth)
     return row
 
 
 def compiled_decode(
-    model, ids, methods, steps: int = 64, rounds: int = 4, backend: str = "inductor",
-    copy_bytes: int = 2**30, modes=MODES,
-) -> list[dict]:  # fmt: skip
+    model,
+    ids,
+    methods,
+    steps: int = 64,
+    rounds: int = 4,
+    backend: str = "inductor",
+    copy_bytes: int = 2**30,
+    modes=MODES,
+) -> list[dict]:
     """One row per method: `modes` of its decode after the prompt `ids` (1, T), from one shared prefill; the
     copy bandwidth is sampled before and after, so the roofline is this run's machine state."""
     if steps < 1 or rounds < 1:
@@ -199,9 +219,12 @@ def compiled_decode(
         for m, res in zip(methods, results)
     ]
     for r in rows:
-        print(f"compiled {r['prompt_tokens']} {r['config']}: eager {r['eager_tok_s']} tok/s, compiled "
-              f"{r['compiled_tok_s']} tok/s ({r['speedup']}x, compile {r['compile_s']} s, tokens equal: "
-              f"{r['tokens_equal']})", flush=True)  # fmt: skip
+        print(
+            f"compiled {r['prompt_tokens']} {r['config']}: eager {r['eager_tok_s']} tok/s, compiled "
+            f"{r['compiled_tok_s']} tok/s ({r['speedup']}x, compile {r['compile_s']} s, tokens equal: "
+            f"{r['tokens_equal']})",
+            flush=True,
+        )
     return rows
 
 
@@ -223,8 +246,10 @@ def run(ctx: Context) -> list[dict]:
 
 def target_line(rows: list[dict]) -> str:
     """The issue's target, read off this run's rows: reached or not, with the measured figures and why."""
-    want = (f"compiled {TARGET['config']} decode >= {TARGET['speedup']}x eager tok/s at {TARGET['prompt_tokens']} "
-            f"prompt tokens, its step within {TARGET['pct_of_floor'] / 100:g}x of the memory floor")  # fmt: skip
+    want = (
+        f"compiled {TARGET['config']} decode >= {TARGET['speedup']}x eager tok/s at {TARGET['prompt_tokens']} "
+        f"prompt tokens, its step within {TARGET['pct_of_floor'] / 100:g}x of the memory floor"
+    )
     row = next(
         (
             r
@@ -237,8 +262,10 @@ def target_line(rows: list[dict]) -> str:
         return f"Target ({want}): not measured by this run (no such row; --quick measures 1024 tokens only)."
     fast = row["speedup"] >= TARGET["speedup"]
     near = row["compiled_pct_of_floor"] <= TARGET["pct_of_floor"]
-    text = (f"Target ({want}): measured {row['speedup']}x ({'reached' if fast else 'NOT reached'}); the compiled "
-            f"step is at {row['compiled_pct_of_floor']}% of the floor ({'reached' if near else 'NOT reached'}).")  # fmt: skip
+    text = (
+        f"Target ({want}): measured {row['speedup']}x ({'reached' if fast else 'NOT reached'}); the compiled "
+        f"step is at {row['compiled_pct_of_floor']}% of the floor ({'reached' if near else 'NOT reached'})."
+    )
     if not fast and row["compiled_matmul_pct"] is not None:
         mm, attn = row["compiled_matmul_pct"], row["compiled_attention_pct"]
         text += (
@@ -253,25 +280,43 @@ def target_line(rows: list[dict]) -> str:
 
 def note(rows: list[dict]) -> str:
     differ = [f"{r['config']} at {r['prompt_tokens']}" for r in rows if not r["tokens_equal"]]
-    return " ".join([
-        "Eager: the default cache, eager forward. Compiled: the static cache through transformers' compiled "
-        "forward (`evalkit.kv.generate(compile=True)`; inductor, one graph per (batch, slots) shape). Steps in "
-        "interleaved rounds, medians. `compile_s`: the first compiled call (dynamo reset before each row; "
-        "`compile_cache_hit`: inductor's on-disk cache served it); `graphs`: graphs compiled for the row (1 = "
-        "no recompilation while timed). `*_flatness`: median step of the last quarter of the steps / the "
-        "first quarter's. `compiled_matmul_pct`, `compiled_attention_pct`: shares of the compiled step "
-        "(torch.profiler, self CPU time); `ceiling_x`: eager step / the compiled step's time in those two. On a "
-        "shared machine use --threads 1: inductor's OpenMP kernels stall when another process takes a core.",
-        target_line(rows),
-        "Tokens: compiled equals eager in every row." if not differ else
-        f"Tokens DIFFER from eager in: {', '.join(differ)}.",
-        roofline_note() + " A static cache reads all its slots every step (masked ones included).",
-    ])  # fmt: skip
+    return " ".join(
+        [
+            "Eager: the default cache, eager forward. Compiled: the static cache through transformers' compiled "
+            "forward (`evalkit.kv.generate(compile=True)`; inductor, one graph per (batch, slots) shape). Steps in "
+            "interleaved rounds, medians. `compile_s`: the first compiled call (dynamo reset before each row; "
+            "`compile_cache_hit`: inductor's on-disk cache served it); `graphs`: graphs compiled for the row (1 = "
+            "no recompilation while timed). `*_flatness`: median step of the last quarter of the steps / the "
+            "first quarter's. `compiled_matmul_pct`, `compiled_attention_pct`: shares of the compiled step "
+            "(torch.profiler, self CPU time); `ceiling_x`: eager step / the compiled step's time in those two. On a "
+            "shared machine use --threads 1: inductor's OpenMP kernels stall when another process takes a core.",
+            target_line(rows),
+            "Tokens: compiled equals eager in every row."
+            if not differ
+            else f"Tokens DIFFER from eager in: {', '.join(differ)}.",
+            roofline_note() + " A static cache reads all its slots every step (masked ones included).",
+        ]
+    )
 
 
-TABLE = ["config", "prompt_tokens", "eager_tok_s", "compiled_tok_s", "speedup", "compile_s", "tokens_equal",
-         "graphs", "eager_pct_of_floor", "compiled_pct_of_floor", "compiled_floor_ms", "eager_flatness",
-         "compiled_flatness", "compiled_matmul_pct", "compiled_attention_pct", "ceiling_x"]  # fmt: skip
+TABLE = [
+    "config",
+    "prompt_tokens",
+    "eager_tok_s",
+    "compiled_tok_s",
+    "speedup",
+    "compile_s",
+    "tokens_equal",
+    "graphs",
+    "eager_pct_of_floor",
+    "compiled_pct_of_floor",
+    "compiled_floor_ms",
+    "eager_flatness",
+    "compiled_flatness",
+    "compiled_matmul_pct",
+    "compiled_attention_pct",
+    "ceiling_x",
+]
 
 
 def table(rows: list[dict]) -> list[dict]:

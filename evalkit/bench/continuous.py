@@ -27,10 +27,16 @@ def aime_like_lengths(n: int, longest: int, seed: int = 0) -> list[int]:
 
 def aime_like_texts(tokenizer, n: int) -> list[str]:
     """Short chat prompts (AIME problems are a few hundred tokens), rendered by the model's chat template."""
-    questions = [f"Problem {i}: find the remainder when {7 + i}^{100 + i} is divided by 1000. Reason step by step."
-                 for i in range(n)]  # fmt: skip
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                          add_generation_prompt=True) for q in questions]  # fmt: skip
+    questions = [
+        f"Problem {i}: find the remainder when {7 + i}^{100 + i} is divided by 1000. Reason step by step."
+        for i in range(n)
+    ]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in questions
+    ]
 
 
 def aime_like_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -59,9 +65,16 @@ def decode_all(model, reqs: list, rows: int, continuous: bool) -> tuple[dict, di
     tokens = {done.request.key: done.tokens for done in engine.run(reqs)}
     wall = time.perf_counter() - start
     total = sum(len(t) for t in tokens.values())
-    row = {"mode": "continuous" if continuous else "static", "rows": rows, "requests": len(reqs),
-           "tokens": total, "wall_s": round(wall, 2), "tokens_per_s": round(total / wall, 2),
-           "decode_steps": engine.steps, "idle_row_fraction": round(engine.idle_fraction(), 3)}  # fmt: skip
+    row = {
+        "mode": "continuous" if continuous else "static",
+        "rows": rows,
+        "requests": len(reqs),
+        "tokens": total,
+        "wall_s": round(wall, 2),
+        "tokens_per_s": round(total / wall, 2),
+        "decode_steps": engine.steps,
+        "idle_row_fraction": round(engine.idle_fraction(), 3),
+    }
     print(f"{row['mode']}: {row['tokens_per_s']} tok/s, idle {row['idle_row_fraction']:.0%}", flush=True)
     return row, tokens
 

@@ -34,9 +34,16 @@ def decode_speed(model, ids, budgets, steps: int, rounds: int = 6, copy_bytes: i
     weights, base, rows = weight_bytes(model), median_tok_s(times[0]), []
     for method, ts, kv in zip(methods, times, kv_read):
         tps = median_tok_s(ts)
-        rows.append({"prompt_tokens": ids.shape[1], "config": label(method), "decode_tok_s": round(tps, 2),
-                     "steps": len(ts), "speedup_vs_full": round(tps / base, 2),
-                     **floor_columns(1 / tps, weights, kv, bandwidth.median)})  # fmt: skip
+        rows.append(
+            {
+                "prompt_tokens": ids.shape[1],
+                "config": label(method),
+                "decode_tok_s": round(tps, 2),
+                "steps": len(ts),
+                "speedup_vs_full": round(tps / base, 2),
+                **floor_columns(1 / tps, weights, kv, bandwidth.median),
+            }
+        )
         print(f"decode {ids.shape[1]} {label(method)}: {tps:.2f} tok/s", flush=True)
     return rows
 

@@ -54,8 +54,17 @@ def predictions(model, methods, prompt: int, decoded: int, kv_budget: int, bandw
 
     dtype = str(model.dtype)
     spec = model_spec("bench", model.config, dtype, dtype)
-    hw = Hardware("this machine", sockets=1, sram_bytes=0, hbm_bytes=spec.weight_bytes + kv_budget,
-                  ddr_bytes=0, hbm_bw=bandwidth, ddr_bw=0.0, flops=math.inf, efficiency=1.0)  # fmt: skip
+    hw = Hardware(
+        "this machine",
+        sockets=1,
+        sram_bytes=0,
+        hbm_bytes=spec.weight_bytes + kv_budget,
+        ddr_bytes=0,
+        hbm_bw=bandwidth,
+        ddr_bw=0.0,
+        flops=math.inf,
+        efficiency=1.0,
+    )
     dep = Deployment(spec, hw, tp=1)
     out = []
     for method in methods:
@@ -109,15 +118,29 @@ def rows_for(prompt, kv_budget, methods, predicted, measured, weights, bandwidth
     for method, p, st, kv0, ts, attn in per_method:
         row_bytes = st["rows"][0]["bytes"]  # one row's slots after decoding, all layers, K and V
         tps = median_tok_s(ts, p["batch"])
-        rows.append({"prompt_tokens": prompt, "kv_budget_mib": round(kv_budget / MIB, 1), "config": label(method),
-                     "batch": p["batch"], "max_batch_measured": kv_budget // row_bytes,
-                     "kv_slots_per_row": st["slots"], "kv_bytes_per_row": row_bytes, "kv_bytes_batch": st["bytes"],
-                     "kv_reserved_bytes": st["reserved_bytes"],
-                     "decode_tok_s": round(tps, 2), "predicted_tok_s": round(p["tok_s"], 2), "steps": len(ts),
-                     "attn_ms": round(1e3 * attn, 4),
-                     **floor_columns(p["batch"] / tps, weights, (kv0 + st["bytes"]) / 2, bandwidth)})  # fmt: skip
-        print(f"fixed KV {kv_budget / MIB:.0f} MiB, {prompt} tokens, {label(method)} x{p['batch']}: "
-              f"{tps:.2f} tok/s (predicted {p['tok_s']:.2f})", flush=True)  # fmt: skip
+        rows.append(
+            {
+                "prompt_tokens": prompt,
+                "kv_budget_mib": round(kv_budget / MIB, 1),
+                "config": label(method),
+                "batch": p["batch"],
+                "max_batch_measured": kv_budget // row_bytes,
+                "kv_slots_per_row": st["slots"],
+                "kv_bytes_per_row": row_bytes,
+                "kv_bytes_batch": st["bytes"],
+                "kv_reserved_bytes": st["reserved_bytes"],
+                "decode_tok_s": round(tps, 2),
+                "predicted_tok_s": round(p["tok_s"], 2),
+                "steps": len(ts),
+                "attn_ms": round(1e3 * attn, 4),
+                **floor_columns(p["batch"] / tps, weights, (kv0 + st["bytes"]) / 2, bandwidth),
+            }
+        )
+        print(
+            f"fixed KV {kv_budget / MIB:.0f} MiB, {prompt} tokens, {label(method)} x{p['batch']}: "
+            f"{tps:.2f} tok/s (predicted {p['tok_s']:.2f})",
+            flush=True,
+        )
     for r in rows:
         r["gain_vs_full"] = round(r["decode_tok_s"] / rows[0]["decode_tok_s"], 2)
         r["predicted_gain"] = round(r["predicted_tok_s"] / rows[0]["predicted_tok_s"], 2)

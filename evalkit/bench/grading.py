@@ -47,17 +47,27 @@ def grading_row(k: int, workers: int, timeout_s: float, per: tuple, pooled: tupl
     """One row from the two modes' `graded` results."""
     (per_s, per_scores, per_out), (pool_s, pool_scores, pool_out) = per, pooled
     counts = Counter(per_out.values())
-    return {"problems": len(per_scores), "k": k, "workers": workers, "timeout_s": timeout_s,
-            "programs": len(per_out), "per_problem_s": round(per_s, 2), "pooled_s": round(pool_s, 2),
-            "speedup": round(per_s / pool_s, 2),
-            "outcomes_identical": per_out == pool_out and per_scores == pool_scores,
-            "outcomes": ", ".join(f"{o} {counts[o]}" for o in grade.OUTCOMES if counts[o])}  # fmt: skip
+    return {
+        "problems": len(per_scores),
+        "k": k,
+        "workers": workers,
+        "timeout_s": timeout_s,
+        "programs": len(per_out),
+        "per_problem_s": round(per_s, 2),
+        "pooled_s": round(pool_s, 2),
+        "speedup": round(per_s / pool_s, 2),
+        "outcomes_identical": per_out == pool_out and per_scores == pool_scores,
+        "outcomes": ", ".join(f"{o} {counts[o]}" for o in grade.OUTCOMES if counts[o]),
+    }
 
 
 def grading_bench(
-    k: int = 4, workers: int | None = None, timeout_s: float = 6.0, memory_mb: int = 4096,
+    k: int = 4,
+    workers: int | None = None,
+    timeout_s: float = 6.0,
+    memory_mb: int = 4096,
     allow_unisolated: bool = False,
-) -> dict:  # fmt: skip
+) -> dict:
     """Wall seconds to grade the bundled sample (10 problems x k predictions) per problem and pooled, under
     these sandbox settings (checked by `grade.configure`, which refuses a machine without isolation unless
     `allow_unisolated`); the previous settings are restored afterwards."""
@@ -74,8 +84,11 @@ def grading_bench(
         grade._memo.clear()
         grade._settings = previous
     row = grading_row(k, workers or os.cpu_count() or 1, timeout_s, per, pooled)
-    print(f"grading k={k} workers={row['workers']}: per problem {row['per_problem_s']} s, pooled "
-          f"{row['pooled_s']} s ({row['speedup']}x), outcomes identical: {row['outcomes_identical']}", flush=True)  # fmt: skip
+    print(
+        f"grading k={k} workers={row['workers']}: per problem {row['per_problem_s']} s, pooled "
+        f"{row['pooled_s']} s ({row['speedup']}x), outcomes identical: {row['outcomes_identical']}",
+        flush=True,
+    )
     return row
 
 

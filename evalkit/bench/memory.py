@@ -43,12 +43,19 @@ def memory_child(length: int, budget: int) -> dict:
     with PeakRSS() as dec:
         decode_steps(model, cache, first, 16)
     stats = cache.stats()
-    return {"prompt_tokens": length, "config": label(method), "rss_model_warm_mib": round(loaded / MIB, 1),
-            "peak_rss_prefill_mib": round(pre.peak / MIB, 1), "rss_live_after_prefill_mib": round(settled / MIB, 1),
-            "peak_rss_decode_mib": round(dec.peak / MIB, 1),
-            "peak_rss_process_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            "cache_bytes": stats["bytes"], "cache_reserved_bytes": stats["reserved_bytes"],
-            "cache_slots": stats["slots"], "live_minus_model_mib": round((settled - loaded) / MIB, 1)}  # fmt: skip
+    return {
+        "prompt_tokens": length,
+        "config": label(method),
+        "rss_model_warm_mib": round(loaded / MIB, 1),
+        "peak_rss_prefill_mib": round(pre.peak / MIB, 1),
+        "rss_live_after_prefill_mib": round(settled / MIB, 1),
+        "peak_rss_decode_mib": round(dec.peak / MIB, 1),
+        "peak_rss_process_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "cache_bytes": stats["bytes"],
+        "cache_reserved_bytes": stats["reserved_bytes"],
+        "cache_slots": stats["slots"],
+        "live_minus_model_mib": round((settled - loaded) / MIB, 1),
+    }
 
 
 def bench_memory(lengths, budgets) -> list[dict]:
@@ -62,8 +69,11 @@ def bench_memory(lengths, budgets) -> list[dict]:
                 raise RuntimeError(f"memory run {n}:{b} failed:\n{done.stderr[-3000:]}")
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             r = rows[-1]
-            print(f"memory {n} {r['config']}: prefill peak {r['peak_rss_prefill_mib']} MiB, "
-                  f"decode peak {r['peak_rss_decode_mib']} MiB, cache {r['cache_bytes'] / MIB:.1f} MiB", flush=True)  # fmt: skip
+            print(
+                f"memory {n} {r['config']}: prefill peak {r['peak_rss_prefill_mib']} MiB, "
+                f"decode peak {r['peak_rss_decode_mib']} MiB, cache {r['cache_bytes'] / MIB:.1f} MiB",
+                flush=True,
+            )
     return rows
 
 

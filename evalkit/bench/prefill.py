@@ -30,10 +30,18 @@ def prefill_overhead(model, ids, reps: int) -> list[dict]:
     base, rows = statistics.median(times["dynamic_cache"]), []
     for name, ts in times.items():
         t, c = statistics.median(ts), statistics.median(compress[name])
-        rows.append({"prompt_tokens": ids.shape[1], "config": name, "prefill_s": round(t, 3),
-                     "ratio_vs_dynamic": round(t / base, 4), "overhead_pct": round(100 * (t / base - 1), 2),
-                     "compress_s": round(c, 4), "compress_pct_of_prefill": round(100 * c / t, 2),
-                     "reps": reps})  # fmt: skip
+        rows.append(
+            {
+                "prompt_tokens": ids.shape[1],
+                "config": name,
+                "prefill_s": round(t, 3),
+                "ratio_vs_dynamic": round(t / base, 4),
+                "overhead_pct": round(100 * (t / base - 1), 2),
+                "compress_s": round(c, 4),
+                "compress_pct_of_prefill": round(100 * c / t, 2),
+                "reps": reps,
+            }
+        )
     print(
         f"prefill {ids.shape[1]}: " + ", ".join(f"{r['config']} {r['prefill_s']}s" for r in rows), flush=True
     )

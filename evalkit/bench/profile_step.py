@@ -24,9 +24,16 @@ def profile_step(model, tok, length: int) -> tuple[list[dict], str]:
         events = prof.key_averages()
         total = sum(e.self_cpu_time_total for e in events)
         for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:TOP]:
-            rows.append({"prompt_tokens": length, "config": method.name, "op": e.key, "calls": e.count,
-                         "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
-                         "self_cpu_pct": round(100 * e.self_cpu_time_total / total, 1)})  # fmt: skip
+            rows.append(
+                {
+                    "prompt_tokens": length,
+                    "config": method.name,
+                    "op": e.key,
+                    "calls": e.count,
+                    "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
+                    "self_cpu_pct": round(100 * e.self_cpu_time_total / total, 1),
+                }
+            )
         table = events.table(sort_by="self_cpu_time_total", row_limit=TOP)
         budget = getattr(method, "budget", "-")
         text.append(

@@ -31,8 +31,14 @@ def bench_steps(model, tok, length: int, steps: int) -> list[dict]:
                 start = time.perf_counter()
                 run_[2] = model(run_[2], cache=run_[1]).logits[:, -1:].argmax(-1)
                 wall = time.perf_counter() - start
-            rows.append({"config": run_[0], "step": i, "step_ms": round(1000 * wall, 3),
-                         "attn_ms": round(1000 * attn.total, 3)})  # fmt: skip
+            rows.append(
+                {
+                    "config": run_[0],
+                    "step": i,
+                    "step_ms": round(1000 * wall, 3),
+                    "attn_ms": round(1000 * attn.total, 3),
+                }
+            )
     return rows
 
 

@@ -20,8 +20,14 @@ def record_provenance(out: Path, name: str, command: str, quick: bool) -> None:
 
     path = out / PROVENANCE
     data = json.loads(path.read_text()) if path.exists() else {}
-    data[name] = {"command": command, "quick": quick, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "git": git_sha(), "torch_threads": torch.get_num_threads(), "cores": psutil.cpu_count()}  # fmt: skip
+    data[name] = {
+        "command": command,
+        "quick": quick,
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "git": git_sha(),
+        "torch_threads": torch.get_num_threads(),
+        "cores": psutil.cpu_count(),
+    }
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
@@ -47,10 +53,14 @@ def write_summary(out: Path, measurements: list[Measurement], measured: set[str]
     provenance = json.loads(path.read_text()) if path.exists() else {}
     present = [m for m in measurements if (out / m.csv).exists()]
     kept = [m.name for m in present if m.name not in measured]
-    lines = ["# evalkit bench (SmolLM2-135M, fp32, CPU)", "",
-             f"torch threads: {torch.get_num_threads()}; cores: {psutil.cpu_count()}; command: `{command}`; "
-             f"measured by it: {', '.join(sorted(measured)) or 'nothing'}"
-             + (f"; kept from earlier runs (their CSVs): {', '.join(kept)}" if kept else ""), ""]  # fmt: skip
+    lines = [
+        "# evalkit bench (SmolLM2-135M, fp32, CPU)",
+        "",
+        f"torch threads: {torch.get_num_threads()}; cores: {psutil.cpu_count()}; command: `{command}`; "
+        f"measured by it: {', '.join(sorted(measured)) or 'nothing'}"
+        + (f"; kept from earlier runs (their CSVs): {', '.join(kept)}" if kept else ""),
+        "",
+    ]
     for m in present:
         rows = read_csv(out / m.csv)
         table = pd.DataFrame(m.table(rows)).to_markdown(index=False)

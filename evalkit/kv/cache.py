@@ -169,8 +169,9 @@ class KVLayer(CacheLayerMixin):
             t = keys.shape[2]
             best = group_mean(scores, h).topk(min(topk, t), dim=-1)  # -inf past a row's valid_topk
             picked = torch.full((b, h, topk), t, dtype=best.indices.dtype, device=keys.device)  # (B, H, K)
-            picked[..., : best.indices.shape[-1]] = torch.where(best.values > float("-inf"),
-                                                                best.indices - rows.pad[:, None, None], t)  # fmt: skip
+            picked[..., : best.indices.shape[-1]] = torch.where(
+                best.values > float("-inf"), best.indices - rows.pad[:, None, None], t
+            )
             picked = picked.sort(dim=-1).values  # kept positions in order, then the padding (t)
             block = slice(sink + tail_long, sink + tail_long + topk)
             picked = torch.where(picked < t, picked, -1)
@@ -281,9 +282,14 @@ class KVCache(Cache):
     ) -> KVCache:
         config = model.config.get_text_config()
         return cls(
-            method, config.num_hidden_layers, model.config._attn_implementation, record, replay, static,
+            method,
+            config.num_hidden_layers,
+            model.config._attn_implementation,
+            record,
+            replay,
+            static,
             max_new_tokens,
-        )  # fmt: skip
+        )
 
     # --- prefill --------------------------------------------------------------------------------------------
     def prefill_rows(self, attention_mask, b: int, t: int, device) -> Rows:
@@ -319,8 +325,19 @@ class KVCache(Cache):
             (b,), rows.n, dtype=torch.long, device=dev
         )  # (B,) append: next free column
         self._seen = torch.tensor(t, device=dev)  # () columns seen, pads included
-        pin(rows.valid, rows.next_pos, rows.tail, self._sink, self._ring, self._slots, self._row, self._slot,
-            self._slot_pos, self._next_slot, self._seen)  # fmt: skip
+        pin(
+            rows.valid,
+            rows.next_pos,
+            rows.tail,
+            self._sink,
+            self._ring,
+            self._slots,
+            self._row,
+            self._slot,
+            self._slot_pos,
+            self._next_slot,
+            self._seen,
+        )
 
     def seq_length(self) -> int | torch.Tensor:
         """Columns seen, pads included. A static cache answers with a device tensor (as transformers'
@@ -458,11 +475,18 @@ class KVCache(Cache):
         (one valid slot, ring of one: they decode harmlessly in place)."""
         pool = cls(like.method, len(like.layers), like.attn_name, static=True, max_new_tokens=1)
         dev = like.rows.valid.device
-        rows = Rows(lengths=[0] * batch, pad=torch.zeros(batch, dtype=torch.long, device=dev),
-                    tail=torch.ones(batch, dtype=torch.long, device=dev), topk=torch.zeros(batch, dtype=torch.long, device=dev),
-                    n=capacity, base_pos=torch.full((batch, 1), -1, device=dev), candidates=torch.zeros(batch, 1, dtype=torch.bool, device=dev),
-                    valid=torch.zeros(batch, capacity, dtype=torch.bool, device=dev),
-                    next_pos=torch.zeros(batch, dtype=torch.long, device=dev), filled=[0] * batch)  # fmt: skip
+        rows = Rows(
+            lengths=[0] * batch,
+            pad=torch.zeros(batch, dtype=torch.long, device=dev),
+            tail=torch.ones(batch, dtype=torch.long, device=dev),
+            topk=torch.zeros(batch, dtype=torch.long, device=dev),
+            n=capacity,
+            base_pos=torch.full((batch, 1), -1, device=dev),
+            candidates=torch.zeros(batch, 1, dtype=torch.bool, device=dev),
+            valid=torch.zeros(batch, capacity, dtype=torch.bool, device=dev),
+            next_pos=torch.zeros(batch, dtype=torch.long, device=dev),
+            filled=[0] * batch,
+        )
         pool.rows, pool.seen, pool.used, pool._prompt_width, pool._tails = rows, 0, capacity, 0, [1] * batch
         pool._init_step_state(rows, 0)
         for src, layer in zip(like.layers, pool.layers):
@@ -534,8 +558,14 @@ class KVCache(Cache):
         kept_generated = int(((self.layers[0].pos[r, 0] >= length) & self.rows.valid[r]).sum())
         slots = int(self._slots[r]) if bool(self._ring[r]) else kept
         per_slot = sum(lay.entry_bytes() for lay in self.layers) // self.rows.valid.shape[0]
-        return {"seen": seen, "kept": kept, "evicted": seen - kept, "evicted_generated": seen - length - kept_generated,
-                "slots": slots, "bytes": per_slot * slots}  # fmt: skip
+        return {
+            "seen": seen,
+            "kept": kept,
+            "evicted": seen - kept,
+            "evicted_generated": seen - length - kept_generated,
+            "slots": slots,
+            "bytes": per_slot * slots,
+        }
 
     # --- reporting ------------------------------------------------------------------------------------------
     def stats(self) -> dict:

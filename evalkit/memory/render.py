@@ -35,68 +35,164 @@ def _setup(dep: Deployment, cfg: dict) -> str:
     )
     source = cfg["model"].get("hf") or "fields in conf/memory.yaml (model.hf_config)"
     reserve = cfg.get("kv_reserve_gib")
-    return _table(["setting", "value"], [
-        ["model", f"{m.name} (config: {source})"],
-        ["parameters", f"{m.num_parameters / 1e9:.1f} B, {counted}; {m.active_parameters / 1e9:.1f} B active per token"],
-        ["weights", f"{m.weight_bits}-bit: {_gib(m.weight_bytes)} GiB in all, {_gib(dep.weight_bytes_socket)} GiB per socket (TP{dep.tp})"],
-        ["KV per token", f"{kv.bytes_per_entry:,} B = layers x cached heads x (key + value width) x bytes = "
-                         f"{kv.layers} x {kv.cached_heads} x ({kv.key_width} + {kv.value_width}) x {kv.kv_bits / 8:g} ({kv.layout})"],
-        ["hardware", f"{hw.name}: {hw.sockets} sockets; per socket SRAM {hw.sram_bytes / MiB:g} MiB, HBM {_gib(hw.hbm_bytes)} GiB at "
-                     f"{hw.hbm_bw / TB:g} TB/s, DDR {_gib(hw.ddr_bytes)} GiB at {hw.ddr_bw / GB:g} GB/s, {hw.flops / TB:g} TFLOP/s; efficiency {hw.efficiency:g}"],
-        ["mapping", f"projections TP{dep.tp}; attention {dep.attention} (KV of one sequence split {dep.kv_shard}-way, "
-                    f"sequences spread over {dep.seq_groups} socket groups)"],
-        ["decode", f"decode_len {cfg.get('decode_len') or 0}, batch {cfg.get('batch', 'max')}, MTP factor {dep.mtp_factor:g}"],
-        ["KV reservation (calibrated columns)", "none: same as capacity" if reserve is None else f"{reserve:g} GiB per socket"],
-    ])  # fmt: skip
+    return _table(
+        ["setting", "value"],
+        [
+            ["model", f"{m.name} (config: {source})"],
+            [
+                "parameters",
+                f"{m.num_parameters / 1e9:.1f} B, {counted}; {m.active_parameters / 1e9:.1f} B active per token",
+            ],
+            [
+                "weights",
+                f"{m.weight_bits}-bit: {_gib(m.weight_bytes)} GiB in all, {_gib(dep.weight_bytes_socket)} GiB per socket (TP{dep.tp})",
+            ],
+            [
+                "KV per token",
+                f"{kv.bytes_per_entry:,} B = layers x cached heads x (key + value width) x bytes = "
+                f"{kv.layers} x {kv.cached_heads} x ({kv.key_width} + {kv.value_width}) x {kv.kv_bits / 8:g} ({kv.layout})",
+            ],
+            [
+                "hardware",
+                f"{hw.name}: {hw.sockets} sockets; per socket SRAM {hw.sram_bytes / MiB:g} MiB, HBM {_gib(hw.hbm_bytes)} GiB at "
+                f"{hw.hbm_bw / TB:g} TB/s, DDR {_gib(hw.ddr_bytes)} GiB at {hw.ddr_bw / GB:g} GB/s, {hw.flops / TB:g} TFLOP/s; efficiency {hw.efficiency:g}",
+            ],
+            [
+                "mapping",
+                f"projections TP{dep.tp}; attention {dep.attention} (KV of one sequence split {dep.kv_shard}-way, "
+                f"sequences spread over {dep.seq_groups} socket groups)",
+            ],
+            [
+                "decode",
+                f"decode_len {cfg.get('decode_len') or 0}, batch {cfg.get('batch', 'max')}, MTP factor {dep.mtp_factor:g}",
+            ],
+            [
+                "KV reservation (calibrated columns)",
+                "none: same as capacity" if reserve is None else f"{reserve:g} GiB per socket",
+            ],
+        ],
+    )
 
 
 def _sweep(rows: list[dict]) -> str:
-    headers = ["context", "cache", "entries", "kept/seen", "KV/seq GiB", "KV/seq/socket GiB", "max batch",
-               "max batch (cal.)", "tok/s at batch", "tok/s (cal.)", "SRAM tile MiB (% of SRAM)"]  # fmt: skip
-    lines = [[
-        r["context"], _label(r), r["kv_entries"], f"{r['compression_ratio']:.3f}", _gib(r["kv_bytes_per_seq"]),
-        _gib(r["kv_bytes_per_seq_socket"]), r["max_batch"], r["max_batch_cal"], f"{r['tok_s']:.0f}",
-        f"{r['tok_s_cal']:.0f}", f"{r['sram_tile_bytes'] / MiB:.1f} ({100 * r['sram_tile_frac']:.0f}%)",
-    ] for r in rows]  # fmt: skip
+    headers = [
+        "context",
+        "cache",
+        "entries",
+        "kept/seen",
+        "KV/seq GiB",
+        "KV/seq/socket GiB",
+        "max batch",
+        "max batch (cal.)",
+        "tok/s at batch",
+        "tok/s (cal.)",
+        "SRAM tile MiB (% of SRAM)",
+    ]
+    lines = [
+        [
+            r["context"],
+            _label(r),
+            r["kv_entries"],
+            f"{r['compression_ratio']:.3f}",
+            _gib(r["kv_bytes_per_seq"]),
+            _gib(r["kv_bytes_per_seq_socket"]),
+            r["max_batch"],
+            r["max_batch_cal"],
+            f"{r['tok_s']:.0f}",
+            f"{r['tok_s_cal']:.0f}",
+            f"{r['sram_tile_bytes'] / MiB:.1f} ({100 * r['sram_tile_frac']:.0f}%)",
+        ]
+        for r in rows
+    ]
     return _table(headers, lines)
 
 
 def _placement(rows: list[dict]) -> str:
-    headers = ["context", "cache", "batch", "seqs/socket", "weights HBM/DDR GiB", "KV HBM/DDR GiB",
-               "HBM free GiB", "fits", "step ms", "bound"]  # fmt: skip
-    lines = [[
-        r["context"], _label(r), r["batch"], r["seqs_per_socket"],
-        f"{_gib(r['weights_hbm_bytes'])} / {_gib(r['weights_ddr_bytes'])}",
-        f"{_gib(r['kv_hbm_bytes'])} / {_gib(r['kv_ddr_bytes'])}", _gib(r["hbm_free_bytes"]),
-        "yes" if r["fits"] else "NO", f"{r['step_ms']:.1f}", r["bound"],
-    ] for r in rows]  # fmt: skip
+    headers = [
+        "context",
+        "cache",
+        "batch",
+        "seqs/socket",
+        "weights HBM/DDR GiB",
+        "KV HBM/DDR GiB",
+        "HBM free GiB",
+        "fits",
+        "step ms",
+        "bound",
+    ]
+    lines = [
+        [
+            r["context"],
+            _label(r),
+            r["batch"],
+            r["seqs_per_socket"],
+            f"{_gib(r['weights_hbm_bytes'])} / {_gib(r['weights_ddr_bytes'])}",
+            f"{_gib(r['kv_hbm_bytes'])} / {_gib(r['kv_ddr_bytes'])}",
+            _gib(r["hbm_free_bytes"]),
+            "yes" if r["fits"] else "NO",
+            f"{r['step_ms']:.1f}",
+            r["bound"],
+        ]
+        for r in rows
+    ]
     return _table(headers, lines)
 
 
 def _paper(paper: list[dict]) -> str:
-    headers = ["context -> cache", "KV ratio", "max batch full -> SnapStream: capacity; calibrated; paper",
-               "batch ratio cap. / cal. / paper", "tok/s full -> SnapStream: capacity; calibrated; paper",
-               "gain cap. / cal. / paper", "paper's implied HBM bw share"]  # fmt: skip
-    lines = [[
-        f"{r['context'] // 1024}k -> {r['budget'] // 1024}k", f"{r['memory_ratio']:.2f}x",
-        f"{r['batch_full']}->{r['batch_snap']}; {r['batch_full_cal']}->{r['batch_snap_cal']}; "
-        f"{r['paper_batch_full']}->{r['paper_batch_snap']}",
-        f"{r['batch_ratio']:.2f} / {r['batch_ratio_cal']:.2f} / {r['paper_batch_snap'] / r['paper_batch_full']:.2f}",
-        f"{r['tok_s_full']:.0f}->{r['tok_s_snap']:.0f}; {r['tok_s_full_cal']:.0f}->{r['tok_s_snap_cal']:.0f}; "
-        f"{r['paper_tok_s_full']}->{r['paper_tok_s_snap']}",
-        f"{r['gain']:.2f} / {r['gain_cal']:.2f} / {r['paper_gain']:.2f}", f"{100 * r['paper_bw_frac']:.0f}%",
-    ] for r in paper]  # fmt: skip
+    headers = [
+        "context -> cache",
+        "KV ratio",
+        "max batch full -> SnapStream: capacity; calibrated; paper",
+        "batch ratio cap. / cal. / paper",
+        "tok/s full -> SnapStream: capacity; calibrated; paper",
+        "gain cap. / cal. / paper",
+        "paper's implied HBM bw share",
+    ]
+    lines = [
+        [
+            f"{r['context'] // 1024}k -> {r['budget'] // 1024}k",
+            f"{r['memory_ratio']:.2f}x",
+            f"{r['batch_full']}->{r['batch_snap']}; {r['batch_full_cal']}->{r['batch_snap_cal']}; "
+            f"{r['paper_batch_full']}->{r['paper_batch_snap']}",
+            f"{r['batch_ratio']:.2f} / {r['batch_ratio_cal']:.2f} / {r['paper_batch_snap'] / r['paper_batch_full']:.2f}",
+            f"{r['tok_s_full']:.0f}->{r['tok_s_snap']:.0f}; {r['tok_s_full_cal']:.0f}->{r['tok_s_snap_cal']:.0f}; "
+            f"{r['paper_tok_s_full']}->{r['paper_tok_s_snap']}",
+            f"{r['gain']:.2f} / {r['gain_cal']:.2f} / {r['paper_gain']:.2f}",
+            f"{100 * r['paper_bw_frac']:.0f}%",
+        ]
+        for r in paper
+    ]
     return _table(headers, lines)
 
 
 def _measured(measured: list[dict], notes: list[str]) -> str:
-    headers = ["run", "method", "budget", "layout", "dtype", "B/entry", "entries pred. (from) / meas.",
-               "bytes predicted", "bytes measured", "agree"]  # fmt: skip
-    lines = [[
-        r["run"], r["method"], r["budget"], r["cache_layout"], r["dtype"], f"{r['bytes_per_entry']:,}",
-        f"{r['predicted_entries']} ({r['entries_from']}) / {r['measured_entries']}", f"{r['predicted_bytes']:,}",
-        f"{r['measured_bytes']:,}", "yes" if r["match"] else "**NO**",
-    ] for r in measured]  # fmt: skip
+    headers = [
+        "run",
+        "method",
+        "budget",
+        "layout",
+        "dtype",
+        "B/entry",
+        "entries pred. (from) / meas.",
+        "bytes predicted",
+        "bytes measured",
+        "agree",
+    ]
+    lines = [
+        [
+            r["run"],
+            r["method"],
+            r["budget"],
+            r["cache_layout"],
+            r["dtype"],
+            f"{r['bytes_per_entry']:,}",
+            f"{r['predicted_entries']} ({r['entries_from']}) / {r['measured_entries']}",
+            f"{r['predicted_bytes']:,}",
+            f"{r['measured_bytes']:,}",
+            "yes" if r["match"] else "**NO**",
+        ]
+        for r in measured
+    ]
     text = _table(headers, lines) if measured else ""
     return text + "".join(f"\n- {n}" for n in notes)
 
@@ -165,10 +261,12 @@ def render_markdown(dep: Deployment, cfg: dict, tables: dict, paths: dict[str, P
     if tables["skipped"]:
         parts.append("Skipped (budget above the context): " + "; ".join(tables["skipped"]) + ".")
     if paper:
-        parts += ["## Paper check: SnapStream Table 5 (DeepSeek-R1-0528, 16 x SN40L, tok/s incl. x2.4 MTP)",
-                  _paper(paper),
-                  "The paper's figures are for DeepSeek-R1 on SN40L; compare the columns only when this report "
-                  "is configured that way (the default)."]  # fmt: skip
+        parts += [
+            "## Paper check: SnapStream Table 5 (DeepSeek-R1-0528, 16 x SN40L, tok/s incl. x2.4 MTP)",
+            _paper(paper),
+            "The paper's figures are for DeepSeek-R1 on SN40L; compare the columns only when this report "
+            "is configured that way (the default).",
+        ]
     parts += [
         "## Measured runs: predicted vs reported KV bytes",
         _measured(tables["measured"], tables["notes"]),

@@ -173,14 +173,24 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
             notes.append(f"{rel}: skipped ({type(e).__name__}: {e})")
             continue
         predicted = geo.bytes_per_entry * entries
-        rows.append({
-            "run": rel, "task": m.get("task"), "model": m["model"].get("name"), "method": method,
-            "budget": budget, "cache_layout": geo.layout, "dtype": dtype,
-            "bytes_per_entry": geo.bytes_per_entry, "entries_from": source,
-            "predicted_entries": entries, "measured_entries": peak_entries,
-            "predicted_bytes": predicted, "measured_bytes": peak_bytes,
-            "match": predicted == peak_bytes and entries == peak_entries,
-        })  # fmt: skip
+        rows.append(
+            {
+                "run": rel,
+                "task": m.get("task"),
+                "model": m["model"].get("name"),
+                "method": method,
+                "budget": budget,
+                "cache_layout": geo.layout,
+                "dtype": dtype,
+                "bytes_per_entry": geo.bytes_per_entry,
+                "entries_from": source,
+                "predicted_entries": entries,
+                "measured_entries": peak_entries,
+                "predicted_bytes": predicted,
+                "measured_bytes": peak_bytes,
+                "match": predicted == peak_bytes and entries == peak_entries,
+            }
+        )
     if not paths:
         notes.append(f"no runs under {root} yet")
     return rows, notes
@@ -212,9 +222,14 @@ def write_report(cfg: dict) -> dict[str, Path]:
     for r in paper:
         log.info(
             "Table 5 @%dk: batch %d->%d (calibrated), %d->%d (capacity); gain %.2fx (paper %.2fx)",
-            r["context"] // 1024, r["batch_full_cal"], r["batch_snap_cal"], r["batch_full"], r["batch_snap"],
-            r["gain_cal"], r["paper_gain"],
-        )  # fmt: skip
+            r["context"] // 1024,
+            r["batch_full_cal"],
+            r["batch_snap_cal"],
+            r["batch_full"],
+            r["batch_snap"],
+            r["gain_cal"],
+            r["paper_gain"],
+        )
     if any(not r["match"] for r in measured):
         log.warning("predicted and measured KV bytes disagree for some runs: see %s", paths["md"])
     return paths

@@ -63,8 +63,12 @@ def validate_model(m: dict) -> None:
 
 def validate(cfg: dict) -> None:
     """Check a resolved conf/memory.yaml (plain dicts); raises MemoryReportError naming the first bad setting."""
-    require(isinstance(cfg.get("results_dir"), str) and cfg["results_dir"] != "", "results_dir",
-            "a folder path", cfg.get("results_dir"))  # fmt: skip
+    require(
+        isinstance(cfg.get("results_dir"), str) and cfg["results_dir"] != "",
+        "results_dir",
+        "a folder path",
+        cfg.get("results_dir"),
+    )
     validate_model(cfg["model"])
     validate_hardware(cfg["hardware"])
     positive_int("parallel.tp", cfg["parallel"].get("tp"))
@@ -88,11 +92,20 @@ def validate(cfg: dict) -> None:
         int_list("budgets", cfg.get("budgets"))
     batch = cfg.get("batch")
     require(batch == "max" or _is_int(batch) and batch > 0, "batch", "'max' or a positive integer", batch)
-    number("mtp_factor", cfg.get("mtp_factor"), 1, strict=False,
-           rule="a number >= 1 (accepted tokens per decode step; 1 = no multi-token prediction)")  # fmt: skip
+    number(
+        "mtp_factor",
+        cfg.get("mtp_factor"),
+        1,
+        strict=False,
+        rule="a number >= 1 (accepted tokens per decode step; 1 = no multi-token prediction)",
+    )
     reserve = cfg.get("kv_reserve_gib")
-    require(reserve is None or _is_number(reserve) and reserve > 0, "kv_reserve_gib",
-            "null (all free HBM) or a number of GiB > 0", reserve)  # fmt: skip
+    require(
+        reserve is None or _is_number(reserve) and reserve > 0,
+        "kv_reserve_gib",
+        "null (all free HBM) or a number of GiB > 0",
+        reserve,
+    )
     tile = cfg.get("tile_tokens")
     require(
         tile is None or _is_int(tile) and tile > 0,

@@ -66,15 +66,24 @@ def memory_row(comp: Run, full: Run, hardware: dict[str, Hardware], deploy: dict
     spec = spec_of(full, deploy)
     entries = run_entries(comp.method, comp.budget, prompt, seen)
     per_entry = spec.kv.bytes_per_entry
-    row = {"context_tokens": seen, "kv_entries": entries, "kv_entries_full": seen,
-           "kv_bytes_seq": per_entry * entries, "kv_bytes_seq_full": per_entry * seen,
-           "memory_saving": 1 - entries / seen, "tp": {}}  # fmt: skip
+    row = {
+        "context_tokens": seen,
+        "kv_entries": entries,
+        "kv_entries_full": seen,
+        "kv_bytes_seq": per_entry * entries,
+        "kv_bytes_seq_full": per_entry * seen,
+        "memory_saving": 1 - entries / seen,
+        "tp": {},
+    }
     for name, hw in hardware.items():
         dep = deployment(spec, hw, deploy)
         b, tok = _at_max_batch(dep, entries)
         b_full, tok_full = _at_max_batch(dep, seen)
-        row |= {f"max_batch_{name}": b, f"max_batch_full_{name}": b_full,
-                f"tok_s_gain_{name}": tok / tok_full if tok_full else None}  # fmt: skip
+        row |= {
+            f"max_batch_{name}": b,
+            f"max_batch_full_{name}": b_full,
+            f"tok_s_gain_{name}": tok / tok_full if tok_full else None,
+        }
         row["tp"][name] = dep.tp
     return row
 

@@ -38,12 +38,22 @@ class Report:
 
 def _cell_rows(p: Pairing, memory: dict) -> list[dict]:
     comp = p.compressed
-    base = {"model": comp.model, "task": comp.task, "method": comp.method, "settings": comp.settings,
-            "budget": comp.budget, "run": comp.rel, "full_run": p.full.rel,
-            "only_compressed": len(p.only_compressed), "only_full": len(p.only_full),
-            "measured_compression": (comp.metrics.get("kv") or {}).get("compression_ratio")}  # fmt: skip
-    return [{**base, "metric": key, "is_headline": key == comp.headline, **cell, **memory}
-            for key, cell in sorted(p.cells.items())]  # fmt: skip
+    base = {
+        "model": comp.model,
+        "task": comp.task,
+        "method": comp.method,
+        "settings": comp.settings,
+        "budget": comp.budget,
+        "run": comp.rel,
+        "full_run": p.full.rel,
+        "only_compressed": len(p.only_compressed),
+        "only_full": len(p.only_full),
+        "measured_compression": (comp.metrics.get("kv") or {}).get("compression_ratio"),
+    }
+    return [
+        {**base, "metric": key, "is_headline": key == comp.headline, **cell, **memory}
+        for key, cell in sorted(p.cells.items())
+    ]
 
 
 def pair_all(runs: list[Run], settings: ReportSettings) -> tuple[list[Pairing], list[str]]:
@@ -91,9 +101,11 @@ def build(settings: ReportSettings) -> Report:
         rows += _cell_rows(p, _memory(p, hardware, settings, problems))
         notes += p.notes
         if p.only_compressed or p.only_full:
-            notes.append(f"{p.compressed.rel} ~ {p.full.rel}: {len(p.only_compressed)} samples only in the "
-                         f"compressed run, {len(p.only_full)} only in the full run: left out of the paired "
-                         f"statistics (first: {(p.only_compressed + p.only_full)[:3]})")  # fmt: skip
+            notes.append(
+                f"{p.compressed.rel} ~ {p.full.rel}: {len(p.only_compressed)} samples only in the "
+                f"compressed run, {len(p.only_full)} only in the full run: left out of the paired "
+                f"statistics (first: {(p.only_compressed + p.only_full)[:3]})"
+            )
     cells = pd.DataFrame(rows)
     if len(cells):
         cells = cells.sort_values(GROUP + ["budget", "metric"]).reset_index(drop=True)
@@ -118,8 +130,11 @@ def _undecided(rows: pd.DataFrame) -> str:
     inc = rows[rows.verdict == "inconclusive"]
     if inc.empty:
         return "every budget is worse than full" if len(rows) else "no paired budget"
-    need = [f"{int(r.budget)}: " + ("unknown" if pd.isna(r.n_needed) else f"~{int(r.n_needed)} (+{int(r.n_more)})")
-            for r in inc.itertuples()]  # fmt: skip
+    need = [
+        f"{int(r.budget)}: "
+        + ("unknown" if pd.isna(r.n_needed) else f"~{int(r.n_needed)} (+{int(r.n_more)})")
+        for r in inc.itertuples()
+    ]
     return "inconclusive; paired problems that would decide: " + ", ".join(need)
 
 
@@ -133,8 +148,13 @@ def recommend_tasks(head: pd.DataFrame) -> list[dict]:
         rec = dict(zip(GROUP, key)) | {"budgets": [int(b) for b in rows.budget]}
         if len(ok):
             best = ok.iloc[0]
-            rec |= {"budget": int(best.budget), "diff": best.paired_diff, "ci": (best.ci_low, best.ci_high),
-                    **_gains(best), "status": "non-inferior"}  # fmt: skip
+            rec |= {
+                "budget": int(best.budget),
+                "diff": best.paired_diff,
+                "ci": (best.ci_low, best.ci_high),
+                **_gains(best),
+                "status": "non-inferior",
+            }
         else:
             rec |= {"budget": None, "status": _undecided(rows)}
         out.append(rec)

@@ -68,10 +68,12 @@ def partner(run: Run, fulls: list[Run]) -> Run:
         raise PairingError(f"{run.rel}: metrics.json has neither `identity` nor `provenance.config`")
     same = [f for f in fulls if f.identity["generation"] == gid]
     if not same:
-        raise PairingError("; ".join(
-            f"{run.rel} cannot be paired with {f.rel}: {differences(run, f, GENERATION_FIELDS, 'generation')}"
-            for f in fulls
-        ))  # fmt: skip
+        raise PairingError(
+            "; ".join(
+                f"{run.rel} cannot be paired with {f.rel}: {differences(run, f, GENERATION_FIELDS, 'generation')}"
+                for f in fulls
+            )
+        )
     if len(same) > 1:
         raise PairingError(
             f"{run.rel}: several full runs share its generation identity: {[f.rel for f in same]}"
@@ -160,8 +162,12 @@ def paired_values(comp: dict, full: dict, ids: list[str], headline: str, extras:
 
 def check_prompts(comp: Run, full: Run, c_rows: dict, f_rows: dict, ids: list[str]) -> list[str]:
     """Refuse on a differing prompt hash; a note when hashes are missing (then they were not checked)."""
-    bad = [s for s in ids if None not in (c_rows[s].get("prompt_hash"), f_rows[s].get("prompt_hash"))
-           and c_rows[s]["prompt_hash"] != f_rows[s]["prompt_hash"]]  # fmt: skip
+    bad = [
+        s
+        for s in ids
+        if None not in (c_rows[s].get("prompt_hash"), f_rows[s].get("prompt_hash"))
+        and c_rows[s]["prompt_hash"] != f_rows[s]["prompt_hash"]
+    ]
     if bad:
         raise PairingError(
             f"{comp.rel} cannot be paired with {full.rel}: prompt hashes differ for {len(bad)} of "
@@ -182,14 +188,19 @@ def pair(comp: Run, full: Run, settings, full_rows: dict | None = None) -> Pairi
     p = Pairing(comp, full, sorted(set(c_rows) - set(f_rows)), sorted(set(f_rows) - set(c_rows)))
     p.notes += check_prompts(comp, full, c_rows, f_rows, ids)
     if comp.identity["source"] != "recorded" or full.identity["source"] != "recorded":
-        p.notes.append(f"{comp.rel} ~ {full.rel}: no recorded identity (older runner): paired on an identity "
-                       "derived from provenance.config")  # fmt: skip
+        p.notes.append(
+            f"{comp.rel} ~ {full.rel}: no recorded identity (older runner): paired on an identity "
+            "derived from provenance.config"
+        )
     s: StatSettings = settings.stats_for(comp.task)
-    for key, (c, f, binary, left_out) in paired_values(c_rows, f_rows, ids, comp.headline,
-                                                     settings.extras_for(comp.task)).items():  # fmt: skip
+    for key, (c, f, binary, left_out) in paired_values(
+        c_rows, f_rows, ids, comp.headline, settings.extras_for(comp.task)
+    ).items():
         if left_out:
-            p.notes.append(f"{comp.rel}: {key}: {left_out} problems left out (repeat counts differ and the "
-                           "metric is not a mean over repeats)")  # fmt: skip
+            p.notes.append(
+                f"{comp.rel}: {key}: {left_out} problems left out (repeat counts differ and the "
+                "metric is not a mean over repeats)"
+            )
         if len(c):
             rng = np.random.default_rng([settings.seed, zlib.crc32(f"{comp.rel}|{key}".encode())])
             p.cells[key] = compare(c, f, binary, s, rng) | {"left_out": left_out}

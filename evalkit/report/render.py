@@ -17,9 +17,28 @@ from evalkit.results import atomic_write, save_figure  # noqa: E402
 
 MARK = {"non-inferior": "✓", "worse": "✗", "inconclusive": "?"}
 STYLE = {"non-inferior": ("o", "full"), "worse": ("X", "full"), "inconclusive": ("o", "none")}
-CSV_FIRST = GROUP + ["budget", "metric", "is_headline", "n_paired", "only_compressed", "only_full", "full",
-                     "compressed", "paired_diff", "ci_low", "ci_high", "ci_method", "p_value", "test", "margin",
-                     "verdict", "why", "n_needed", "n_more", "measured_compression"]  # fmt: skip
+CSV_FIRST = GROUP + [
+    "budget",
+    "metric",
+    "is_headline",
+    "n_paired",
+    "only_compressed",
+    "only_full",
+    "full",
+    "compressed",
+    "paired_diff",
+    "ci_low",
+    "ci_high",
+    "ci_method",
+    "p_value",
+    "test",
+    "margin",
+    "verdict",
+    "why",
+    "n_needed",
+    "n_more",
+    "measured_compression",
+]
 
 
 def _table(headers: list[str], lines: list[list]) -> str:
@@ -59,19 +78,23 @@ def _header(rep: Report) -> str:
     per_task = ", ".join(f"{t} {m:g}" for t, m in sorted(s.margins.items())) or "none"
     n_comp = sum(not r.is_full for r in rep.runs)
     paired = rep.cells["run"].nunique() if len(rep.cells) else 0
-    return "\n".join([
-        "# Deployment report: is the compressed cache as good as the full one?", "",
-        f"{len(rep.runs)} runs read under `{s.results_dir}/runs`; {paired} of {n_comp} compressed runs paired "
-        "sample by sample with the `full` run that generated from the same prompts.", "",
-        f"- margin delta = {st.margin:g} points (per task: {per_task}); a verdict needs >= {st.min_problems} paired problems",
-        f"- difference = compressed - full, {st.confidence:.0%} CI by a paired percentile bootstrap over problems "
-        f"({st.resamples} resamples, seed {s.seed}; the k repeats of a problem stay together); all equal: exact bound",
-        "- p-value: exact McNemar (one binary outcome per problem), otherwise a two-sided sign-flip permutation test",
-        f"- problems to decide: normal-approximation sample size for a paired non-inferiority test (Chow, Shao & "
-        f"Wang 2008, 3.1) at one-sided alpha {(1 - st.confidence) / 2:g}, power {st.power:g}, the observed mean and SD",
-        f"- memory: evalkit.memory with {s.deploy['weight_dtype']} weights, {s.deploy['kv_dtype']} KV, tp "
-        f"{s.deploy['tp']}, {s.deploy['attention']}; hardware {', '.join(s.hardware)}",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "# Deployment report: is the compressed cache as good as the full one?",
+            "",
+            f"{len(rep.runs)} runs read under `{s.results_dir}/runs`; {paired} of {n_comp} compressed runs paired "
+            "sample by sample with the `full` run that generated from the same prompts.",
+            "",
+            f"- margin delta = {st.margin:g} points (per task: {per_task}); a verdict needs >= {st.min_problems} paired problems",
+            f"- difference = compressed - full, {st.confidence:.0%} CI by a paired percentile bootstrap over problems "
+            f"({st.resamples} resamples, seed {s.seed}; the k repeats of a problem stay together); all equal: exact bound",
+            "- p-value: exact McNemar (one binary outcome per problem), otherwise a two-sided sign-flip permutation test",
+            f"- problems to decide: normal-approximation sample size for a paired non-inferiority test (Chow, Shao & "
+            f"Wang 2008, 3.1) at one-sided alpha {(1 - st.confidence) / 2:g}, power {st.power:g}, the observed mean and SD",
+            f"- memory: evalkit.memory with {s.deploy['weight_dtype']} weights, {s.deploy['kv_dtype']} KV, tp "
+            f"{s.deploy['tp']}, {s.deploy['attention']}; hardware {', '.join(s.hardware)}",
+        ]
+    )
 
 
 def _recommendation(rep: Report) -> str:
@@ -82,23 +105,51 @@ def _recommendation(rep: Report) -> str:
         "Per model: the smallest budget non-inferior on every task it was evaluated on.",
         "",
     ]
-    lines.append(_table(["model", "cache", "tasks", "budget", "status"], [
-        [r["model"], _config(r["method"], r["settings"]), ", ".join(r["tasks"]), r.get("budget") or "-", r["status"]
-         + "".join(f"; {b}: {', '.join(f'{t} {v}' for t, v in bl.items())}" for b, bl in (r.get("blockers") or {}).items())]
-        for r in rep.by_model
-    ]))  # fmt: skip
+    lines.append(
+        _table(
+            ["model", "cache", "tasks", "budget", "status"],
+            [
+                [
+                    r["model"],
+                    _config(r["method"], r["settings"]),
+                    ", ".join(r["tasks"]),
+                    r.get("budget") or "-",
+                    r["status"]
+                    + "".join(
+                        f"; {b}: {', '.join(f'{t} {v}' for t, v in bl.items())}"
+                        for b, bl in (r.get("blockers") or {}).items()
+                    ),
+                ]
+                for r in rep.by_model
+            ],
+        )
+    )
     lines += [
         "",
         "Per task: the smallest non-inferior budget, its paired difference, what it saves and gains.",
         "",
     ]
-    lines.append(_table(
-        ["model", "task", "cache", "budgets run", "budget", "diff [CI]", "KV saving"] + [f"tok/s gain {h}" for h in hw] + ["status"],
-        [[r["model"], r["task"], _config(r["method"], r["settings"]), ", ".join(map(str, r["budgets"])), r.get("budget") or "-",
-          f"{_f(r['diff'])} [{_f(r['ci'][0])}, {_f(r['ci'][1])}]" if r.get("budget") else "-",
-          _f(r.get("memory_saving"), "{:.1%}")] + [_f(r.get(f"tok_s_gain_{h}"), "{:.2f}x") for h in hw] + [r["status"]]
-         for r in rep.by_task],
-    ))  # fmt: skip
+    lines.append(
+        _table(
+            ["model", "task", "cache", "budgets run", "budget", "diff [CI]", "KV saving"]
+            + [f"tok/s gain {h}" for h in hw]
+            + ["status"],
+            [
+                [
+                    r["model"],
+                    r["task"],
+                    _config(r["method"], r["settings"]),
+                    ", ".join(map(str, r["budgets"])),
+                    r.get("budget") or "-",
+                    f"{_f(r['diff'])} [{_f(r['ci'][0])}, {_f(r['ci'][1])}]" if r.get("budget") else "-",
+                    _f(r.get("memory_saving"), "{:.1%}"),
+                ]
+                + [_f(r.get(f"tok_s_gain_{h}"), "{:.2f}x") for h in hw]
+                + [r["status"]]
+                for r in rep.by_task
+            ],
+        )
+    )
     return "\n".join(lines)
 
 
@@ -108,29 +159,64 @@ def _bullets(title: str, items: list[str], empty: str) -> str:
 
 def _headline_table(rows: pd.DataFrame) -> str:
     return _table(
-        ["cache", "budget", "kept/seen", "paired n", "one side only (C/F)", "full", "compressed",
-         "diff [CI]", "p (test)", "verdict", "problems to decide"],
-        [[_config(r.method, r.settings), int(r.budget), _f(r.measured_compression, "{:.3f}"), r.n_paired,
-          f"{r.only_compressed}/{r.only_full}", _f(r.full, "{:.2f}"), _f(r.compressed, "{:.2f}"), _cell(r),
-          f"{r.p_value:.3g} ({r.test})", r.verdict + (f" ({r.why})" if r.why else ""), _decide(r)]
-         for r in rows.itertuples()],
-    )  # fmt: skip
+        [
+            "cache",
+            "budget",
+            "kept/seen",
+            "paired n",
+            "one side only (C/F)",
+            "full",
+            "compressed",
+            "diff [CI]",
+            "p (test)",
+            "verdict",
+            "problems to decide",
+        ],
+        [
+            [
+                _config(r.method, r.settings),
+                int(r.budget),
+                _f(r.measured_compression, "{:.3f}"),
+                r.n_paired,
+                f"{r.only_compressed}/{r.only_full}",
+                _f(r.full, "{:.2f}"),
+                _f(r.compressed, "{:.2f}"),
+                _cell(r),
+                f"{r.p_value:.3g} ({r.test})",
+                r.verdict + (f" ({r.why})" if r.why else ""),
+                _decide(r),
+            ]
+            for r in rows.itertuples()
+        ],
+    )
 
 
 def _memory_table(rows: pd.DataFrame, hw: list[str]) -> str:
     if "kv_bytes_seq" not in rows or rows.kv_bytes_seq.isna().all():
         return "Memory model not joined (see Problems)."
     first = rows.iloc[0]
-    head = (f"Context: the full run's longest request, {int(first.context_tokens)} tokens "
-            f"(full cache {int(first.kv_entries_full)} entries, {_mib(first.kv_bytes_seq_full)} per sequence).\n\n")  # fmt: skip
+    head = (
+        f"Context: the full run's longest request, {int(first.context_tokens)} tokens "
+        f"(full cache {int(first.kv_entries_full)} entries, {_mib(first.kv_bytes_seq_full)} per sequence).\n\n"
+    )
     return head + _table(
         ["cache", "budget", "kept/seen measured", "entries", "KV / sequence", "saving"]
-        + [f"max batch {h} (full)" for h in hw] + [f"tok/s gain {h}" for h in hw],
-        [[_config(r["method"], r["settings"]), int(r["budget"]), _f(r["measured_compression"], "{:.3f}"), _f(r["kv_entries"], "{:.0f}"),
-          _mib(r["kv_bytes_seq"]), _f(r["memory_saving"], "{:.1%}")]
-         + [f"{_f(r[f'max_batch_{h}'], '{:.0f}')} ({_f(r[f'max_batch_full_{h}'], '{:.0f}')})" for h in hw]
-         + [_f(r[f"tok_s_gain_{h}"], "{:.2f}x") for h in hw] for _, r in rows.iterrows()],
-    )  # fmt: skip
+        + [f"max batch {h} (full)" for h in hw]
+        + [f"tok/s gain {h}" for h in hw],
+        [
+            [
+                _config(r["method"], r["settings"]),
+                int(r["budget"]),
+                _f(r["measured_compression"], "{:.3f}"),
+                _f(r["kv_entries"], "{:.0f}"),
+                _mib(r["kv_bytes_seq"]),
+                _f(r["memory_saving"], "{:.1%}"),
+            ]
+            + [f"{_f(r[f'max_batch_{h}'], '{:.0f}')} ({_f(r[f'max_batch_full_{h}'], '{:.0f}')})" for h in hw]
+            + [_f(r[f"tok_s_gain_{h}"], "{:.2f}x") for h in hw]
+            for _, r in rows.iterrows()
+        ],
+    )
 
 
 def _breakdowns(cells: pd.DataFrame) -> str:
@@ -141,20 +227,34 @@ def _breakdowns(cells: pd.DataFrame) -> str:
     grid = {(r.metric, (r.method, r.settings, int(r.budget))): r for r in sub.itertuples()}
     return _table(
         ["key", "n"] + [f"{_config(m, s)} {b}" for m, s, b in cols],
-        [[key, int(sub[sub.metric == key].n_paired.max())]
-         + [_cell(grid[(key, c)]) if (key, c) in grid else "-" for c in cols]
-         for key in sorted(set(sub.metric))],
-    )  # fmt: skip
+        [
+            [key, int(sub[sub.metric == key].n_paired.max())]
+            + [_cell(grid[(key, c)]) if (key, c) in grid else "-" for c in cols]
+            for key in sorted(set(sub.metric))
+        ],
+    )
 
 
 def _section(rep: Report, model: str, task: str, plots: dict) -> str:
     cells = rep.cells[(rep.cells.model == model) & (rep.cells.task == task)]
     head = cells[cells.is_headline]
     full = head.iloc[0]
-    parts = [f"## {task} / {model}", "",
-             f"Paired with `{full.full_run}`; headline `{full.metric}`, margin {full.margin:g} points.", "",
-             _headline_table(head), "", "### What the budget buys", "", _memory_table(head, rep.settings.hardware),
-             "", "### Breakdowns (diff [CI] verdict)", "", _breakdowns(cells), ""]  # fmt: skip
+    parts = [
+        f"## {task} / {model}",
+        "",
+        f"Paired with `{full.full_run}`; headline `{full.metric}`, margin {full.margin:g} points.",
+        "",
+        _headline_table(head),
+        "",
+        "### What the budget buys",
+        "",
+        _memory_table(head, rep.settings.hardware),
+        "",
+        "### Breakdowns (diff [CI] verdict)",
+        "",
+        _breakdowns(cells),
+        "",
+    ]
     parts += [f"![{kind}]({path.name})" for kind, path in plots.get((model, task), {}).items()]
     return "\n".join(parts)
 
@@ -170,10 +270,13 @@ paired problems would decide at the observed variance (in all, and how many more
 
 
 def markdown(rep: Report, plots: dict) -> str:
-    sections = [_header(rep), _recommendation(rep),
-                _bullets("Problems", rep.problems, "None: every compressed run was paired."),
-                _bullets("Missing cells", rep.missing, "None: the sweep is complete."),
-                _bullets("Notes", rep.notes, "None.")]  # fmt: skip
+    sections = [
+        _header(rep),
+        _recommendation(rep),
+        _bullets("Problems", rep.problems, "None: every compressed run was paired."),
+        _bullets("Missing cells", rep.missing, "None: the sweep is complete."),
+        _bullets("Notes", rep.notes, "None."),
+    ]
     if len(rep.cells):
         for model, task in sorted(set(zip(rep.cells.model, rep.cells.task))):
             sections.append(_section(rep, model, task, plots))
@@ -230,8 +333,13 @@ def pareto(head: pd.DataFrame, title: str, path: Path) -> None:
     if "kv_bytes_seq_full" in head and not head.kv_bytes_seq_full.isna().all():
         first = head.iloc[0]
         ax.plot(first.kv_bytes_seq_full / 2**20, first.full, "k*", ms=13, label="full")
-        ax.annotate("full", (first.kv_bytes_seq_full / 2**20, first.full), textcoords="offset points",
-                    xytext=(-8, -14), fontsize=8)  # fmt: skip
+        ax.annotate(
+            "full",
+            (first.kv_bytes_seq_full / 2**20, first.full),
+            textcoords="offset points",
+            xytext=(-8, -14),
+            fontsize=8,
+        )
     for g, ((method, sett), rows) in enumerate(head.groupby(["method", "settings"], sort=True)):
         color = f"C{g}"
         ax.plot([], [], "o", color=color, label=_config(method, sett))
@@ -248,15 +356,23 @@ def pareto(head: pd.DataFrame, title: str, path: Path) -> None:
                 fillstyle=fill,
                 mec=color,
             )
-            ax.annotate(str(int(r.budget)), (r.kv_bytes_seq / 2**20, r.compressed), textcoords="offset points",
-                        xytext=(5, 4), fontsize=8)  # fmt: skip
+            ax.annotate(
+                str(int(r.budget)),
+                (r.kv_bytes_seq / 2**20, r.compressed),
+                textcoords="offset points",
+                xytext=(5, 4),
+                fontsize=8,
+            )
     ax.set_xscale("log")
     plain = FuncFormatter(lambda v, _: f"{v:g}")  # 2.8, 5.6, 45 rather than 2.8 x 10^0
     ax.xaxis.set_major_formatter(plain)
     ax.xaxis.set_minor_formatter(plain)
     ax.tick_params(axis="x", which="minor", labelsize=7)
-    ax.set(xlabel="KV cache per sequence (MiB, memory model)", ylabel=f"{head.metric.iloc[0]} (paired problems)",
-           title=title)  # fmt: skip
+    ax.set(
+        xlabel="KV cache per sequence (MiB, memory model)",
+        ylabel=f"{head.metric.iloc[0]} (paired problems)",
+        title=title,
+    )
     ax.grid(alpha=0.3)
     _verdict_legend(ax)
     ax.legend(fontsize=8, loc="best")

@@ -78,12 +78,21 @@ class Run:
             return {"generation": None, "method": None, "scoring": None, "source": "absent"}
         cfg, m = self.config, self.metrics
         task = {k: v for k, v in (cfg.get("task") or {}).items() if k != "setup"}  # setup is scoring
-        generation = {"model": cfg.get("model"), "task": task, "task_version": m.get("task_version"),
-                      "data_hash": (m.get("data") or {}).get("hash"), "limit": cfg.get("limit"),
-                      "seed": cfg.get("seed")}  # fmt: skip
+        generation = {
+            "model": cfg.get("model"),
+            "task": task,
+            "task_version": m.get("task_version"),
+            "data_hash": (m.get("data") or {}).get("hash"),
+            "limit": cfg.get("limit"),
+            "seed": cfg.get("seed"),
+        }
         scoring = {"scorer_version": m.get("scorer_version"), "setup": (cfg.get("task") or {}).get("setup")}
-        return {"generation": short_hash(generation), "method": short_hash(m["method"]),
-                "scoring": short_hash(scoring), "source": "derived"}  # fmt: skip
+        return {
+            "generation": short_hash(generation),
+            "method": short_hash(m["method"]),
+            "scoring": short_hash(scoring),
+            "source": "derived",
+        }
 
     def samples(self) -> dict[str, dict]:
         """samples.jsonl rows by sample id; RunError names the folder and line for anything unusable."""

@@ -73,8 +73,9 @@ def isolation() -> dict:
                 parent = _host.cgroup_parent()
             except ValueError as e:
                 raise SandboxError(str(e)) from None
-            res, msgs = _run("pass", "", mode="probe", require=None, timeout_s=30, memory_mb=1024,
-                             cgroup_parent=parent)  # fmt: skip
+            res, msgs = _run(
+                "pass", "", mode="probe", require=None, timeout_s=30, memory_mb=1024, cgroup_parent=parent
+            )
             got = next((m["isolation"] for m in msgs if "isolation" in m), None)
             if res.status != "ok" or got is None:
                 raise SandboxError(f"sandbox probe failed ({res.status}): {res.error or res.stderr[-2000:]}")
@@ -99,10 +100,20 @@ def missing_isolation(iso: dict) -> str:
     return ""
 
 
-def run_program(code: str, stdin: str | bytes | Sequence[bytes] = "", *, timeout_s: float, memory_mb: int,
-                cpu_s: float | None = None, first_event_s: float | None = None, disk_mb: int = 64,
-                nproc: int = 64, output_limit: int = OUTPUT_LIMIT, on_event: Callable[[dict], bool] | None = None,
-                allow_unisolated: bool = False) -> RunResult:  # fmt: skip
+def run_program(
+    code: str,
+    stdin: str | bytes | Sequence[bytes] = "",
+    *,
+    timeout_s: float,
+    memory_mb: int,
+    cpu_s: float | None = None,
+    first_event_s: float | None = None,
+    disk_mb: int = 64,
+    nproc: int = 64,
+    output_limit: int = OUTPUT_LIMIT,
+    on_event: Callable[[dict], bool] | None = None,
+    allow_unisolated: bool = False,
+) -> RunResult:
     """Run `code` with `python -I` in the sandbox and return how it ended. `stdin` is text, bytes, or byte
     buffers fed in order without being joined. `timeout_s` is wall time from the start (or from
     `first_event_s`, the time allowed until the first fd-3 event), re-armed by each event; `cpu_s` (default
@@ -113,9 +124,21 @@ def run_program(code: str, stdin: str | bytes | Sequence[bytes] = "", *, timeout
     missing = missing_isolation(iso)
     if missing and not allow_unisolated:
         raise SandboxError(f"{missing} here ({iso}); pass allow_unisolated=True to override")
-    res, _ = _run(code, stdin, mode="run", require=iso, timeout_s=timeout_s, memory_mb=memory_mb,
-                  cpu_s=cpu_s or timeout_s, disk_mb=disk_mb, nproc=nproc, output_limit=output_limit,
-                  on_event=on_event, first_event_s=first_event_s, cgroup_parent=iso.get("cgroup"))  # fmt: skip
+    res, _ = _run(
+        code,
+        stdin,
+        mode="run",
+        require=iso,
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        cpu_s=cpu_s or timeout_s,
+        disk_mb=disk_mb,
+        nproc=nproc,
+        output_limit=output_limit,
+        on_event=on_event,
+        first_event_s=first_event_s,
+        cgroup_parent=iso.get("cgroup"),
+    )
     return res
 
 
@@ -130,10 +153,24 @@ def map_parallel(fn: Callable, items: Iterable, workers: int | None = None) -> l
         return list(pool.map(fn, items))
 
 
-def _run(code: str, stdin, *, mode: str, require: dict | None, timeout_s: float, memory_mb: int,
-         cpu_s: float = 30, disk_mb: int = 64, nproc: int = 64, nofile: int = 256,
-         output_limit: int = OUTPUT_LIMIT, on_event=None, first_event_s: float | None = None,
-         cgroup_parent: str | None = None, no_fork: bool | None = None) -> tuple[RunResult, list[dict]]:  # fmt: skip
+def _run(
+    code: str,
+    stdin,
+    *,
+    mode: str,
+    require: dict | None,
+    timeout_s: float,
+    memory_mb: int,
+    cpu_s: float = 30,
+    disk_mb: int = 64,
+    nproc: int = 64,
+    nofile: int = 256,
+    output_limit: int = OUTPUT_LIMIT,
+    on_event=None,
+    first_event_s: float | None = None,
+    cgroup_parent: str | None = None,
+    no_fork: bool | None = None,
+) -> tuple[RunResult, list[dict]]:
     """One run. `no_fork` (default: when there is no cgroup) makes seccomp refuse new processes; the hostile
     tests turn it off to exercise the process containment that cgroup-mode runs rely on."""
     uid, root, cgroup = _host.acquire_uid(), None, None
@@ -142,8 +179,15 @@ def _run(code: str, stdin, *, mode: str, require: dict | None, timeout_s: float,
         cgroup, cgroup_fd = _cgroup(cgroup_parent, memory_mb, nproc)
         limits = dict(memory_mb=memory_mb, cpu_s=cpu_s, disk_mb=disk_mb, nproc=nproc, nofile=nofile)
         argv = [_host.interpreter(), "-I", os.path.join(root, "prog.py")]
-        cfg = _host.make_config(root, argv, uid=uid, limits=limits, mode=mode, require=require,
-                                no_fork=cgroup is None if no_fork is None else no_fork)  # fmt: skip
+        cfg = _host.make_config(
+            root,
+            argv,
+            uid=uid,
+            limits=limits,
+            mode=mode,
+            require=require,
+            no_fork=cgroup is None if no_fork is None else no_fork,
+        )
         start = time.monotonic()
         try:
             proc, status_r, events_r = _host.spawn(cfg, cgroup_fd)
@@ -152,8 +196,16 @@ def _run(code: str, stdin, *, mode: str, require: dict | None, timeout_s: float,
                 os.close(cgroup_fd)
         pumped = None
         try:
-            pumped = _host.pump(proc, status_r, events_r, _buffers(stdin), timeout_s=timeout_s,
-                                output_limit=output_limit, on_event=on_event, first_event_s=first_event_s)  # fmt: skip
+            pumped = _host.pump(
+                proc,
+                status_r,
+                events_r,
+                _buffers(stdin),
+                timeout_s=timeout_s,
+                output_limit=output_limit,
+                on_event=on_event,
+                first_event_s=first_event_s,
+            )
         finally:
             _host.reap(proc, kill=pumped is None or pumped.stopped is not None)
         oom, cgroup = cgroup is not None and _host.remove_cgroup(cgroup), None

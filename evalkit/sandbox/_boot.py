@@ -27,11 +27,23 @@ CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 1 << 14, 1 << 18
 # Per-mount flags a read-only remount must repeat (in a user namespace they are locked and EPERM otherwise).
-MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024,
-               "nodiratime": 2048, "relatime": 1 << 21}  # fmt: skip
+MOUNT_FLAGS = {
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": 1024,
+    "nodiratime": 2048,
+    "relatime": 1 << 21,
+}
 # The same flags as statvfs() reports them (ST_RELATIME differs from MS_RELATIME).
-ST_TO_MS = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC, os.ST_NOATIME: 1024,
-            os.ST_NODIRATIME: 2048, os.ST_RELATIME: 1 << 21}  # fmt: skip
+ST_TO_MS = {
+    os.ST_NOSUID: MS_NOSUID,
+    os.ST_NODEV: MS_NODEV,
+    os.ST_NOEXEC: MS_NOEXEC,
+    os.ST_NOATIME: 1024,
+    os.ST_NODIRATIME: 2048,
+    os.ST_RELATIME: 1 << 21,
+}
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 MNT_DETACH = 2
 # glibc has no pivot_root wrapper; on other machines the allow-list view is not built (ro-root is).
@@ -253,7 +265,12 @@ LD_W_ABS, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF opcodes (cla
 
 
 class _Insn(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]  # fmt: skip
+    _fields_ = [
+        ("code", ctypes.c_ushort),
+        ("jt", ctypes.c_ubyte),
+        ("jf", ctypes.c_ubyte),
+        ("k", ctypes.c_uint),
+    ]
 
 
 class _Prog(ctypes.Structure):
@@ -269,12 +286,19 @@ def seccomp_program(machine: str, no_fork: bool) -> list[tuple[int, int, int, in
     if machine == "x86_64":
         head.append((JGE, "deny", 0, X32_BIT))
     head += [(JEQ, "deny", 0, n) for n in deny_nr]
-    head += [(JEQ, "nosys", 0, nr["clone3"]), (JEQ, 0, "allow", nr["clone"]), (LD_W_ABS, 0, 0, 16),
-             (JSET, "deny", 0, CLONE_NEW_ANY)]  # fmt: skip
+    head += [
+        (JEQ, "nosys", 0, nr["clone3"]),
+        (JEQ, 0, "allow", nr["clone"]),
+        (LD_W_ABS, 0, 0, 16),
+        (JSET, "deny", 0, CLONE_NEW_ANY),
+    ]
     if no_fork:
         head.append((JSET, "allow", "deny", CLONE_THREAD))
-    tail = {"allow": (RET, 0, 0, RET_ALLOW), "deny": (RET, 0, 0, RET_ERRNO | errno.EPERM),
-            "nosys": (RET, 0, 0, RET_ERRNO | errno.ENOSYS)}  # fmt: skip
+    tail = {
+        "allow": (RET, 0, 0, RET_ALLOW),
+        "deny": (RET, 0, 0, RET_ERRNO | errno.EPERM),
+        "nosys": (RET, 0, 0, RET_ERRNO | errno.ENOSYS),
+    }
     return _resolve(head, tail)
 
 
@@ -303,10 +327,14 @@ def install_seccomp(no_fork: bool) -> None:
 def _limits(cfg) -> None:
     mem = cfg["memory_mb"] << 20
     cpu = int(cfg["cpu_s"]) + 1
-    for res, value in ((resource.RLIMIT_AS, (mem, mem)), (resource.RLIMIT_CPU, (cpu, cpu + 1)),
-                       (resource.RLIMIT_FSIZE, (cfg["disk_mb"] << 20,) * 2),
-                       (resource.RLIMIT_NPROC, (cfg["nproc"],) * 2),
-                       (resource.RLIMIT_NOFILE, (cfg["nofile"],) * 2), (resource.RLIMIT_CORE, (0, 0))):  # fmt: skip
+    for res, value in (
+        (resource.RLIMIT_AS, (mem, mem)),
+        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+        (resource.RLIMIT_FSIZE, (cfg["disk_mb"] << 20,) * 2),
+        (resource.RLIMIT_NPROC, (cfg["nproc"],) * 2),
+        (resource.RLIMIT_NOFILE, (cfg["nofile"],) * 2),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ):
         resource.setrlimit(res, value)
 
 

@@ -29,8 +29,14 @@ BOOT = Path(__file__).with_name("_boot.py")
 UID_FLOOR, SLOTS = 1_500_000_000, 1024
 _free_slots = list(range(SLOTS))
 _slots_lock = threading.Lock()
-ENV_KEEP = {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # fmt: skip
+ENV_KEEP = {
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 REAP_GRACE_S = 3.0  # how long the bootstrap gets to kill and reap its tree before we SIGKILL its group
 
 
@@ -71,8 +77,12 @@ def release_uid(uid: int | None) -> None:
 # home, no sockets. The loader needs ld.so.cache (else it searches slowly), datetime the local time zone.
 SYSTEM = ("/usr", "/bin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache", "/etc/localtime")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
-DEV_LINKS = (("/dev/fd", "/proc/self/fd"), ("/dev/stdin", "/proc/self/fd/0"),
-             ("/dev/stdout", "/proc/self/fd/1"), ("/dev/stderr", "/proc/self/fd/2"))  # fmt: skip
+DEV_LINKS = (
+    ("/dev/fd", "/proc/self/fd"),
+    ("/dev/stdin", "/proc/self/fd/0"),
+    ("/dev/stdout", "/proc/self/fd/1"),
+    ("/dev/stderr", "/proc/self/fd/2"),
+)
 
 # Fallback view ("ro-root", where the allow-list cannot be built): the host's, read-only, with these
 # overmounted by an empty tmpfs: secrets (/root, $HOME: tokens, keys, caches) and shared places (other users'
@@ -111,8 +121,14 @@ def base_view() -> tuple[tuple[str, ...], ...]:
     binds = _outermost([p for p in SYSTEM if os.path.exists(p) and not os.path.islink(p)] + sorted(prefixes))
     devices = [("dev", p) for p in DEVICES if os.path.exists(p)]
     harness = [("empty", d) for d in harness_dirs() if any(_within(d, b) for b in binds)]
-    return tuple(links + [("ro", p) for p in binds] + [("blank", p) for p in startup_hooks(binds)] + harness
-                 + devices + [("link", p, t) for p, t in DEV_LINKS])  # fmt: skip
+    return tuple(
+        links
+        + [("ro", p) for p in binds]
+        + [("blank", p) for p in startup_hooks(binds)]
+        + harness
+        + devices
+        + [("link", p, t) for p, t in DEV_LINKS]
+    )
 
 
 def startup_hooks(binds: list[str]) -> list[str]:
@@ -157,15 +173,27 @@ def _within(path: str, d: str) -> bool:
     return path == d or path.startswith(d + "/")
 
 
-def make_config(root: str, argv: list[str], *, uid, limits: dict, mode: str, require: dict | None,
-                no_fork: bool) -> dict:  # fmt: skip
+def make_config(
+    root: str, argv: list[str], *, uid, limits: dict, mode: str, require: dict | None, no_fork: bool
+) -> dict:
     work = os.path.join(root, "work")
     keep = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, os.path.dirname(sys.executable), root)}
     keep = sorted(k for k in keep if os.path.isdir(k))
     env = {**ENV_KEEP, "HOME": work, "TMPDIR": work}
     view = [*base_view(), ("ro", root)]  # the program's files; inside, a fresh tmpfs covers work
-    return {"mode": mode, "require": require, "root": root, "work": work, "uid": uid, "argv": argv,
-            "env": env, "view": view, "hide": hidden_dirs(keep), "no_fork": no_fork, **limits}  # fmt: skip
+    return {
+        "mode": mode,
+        "require": require,
+        "root": root,
+        "work": work,
+        "uid": uid,
+        "argv": argv,
+        "env": env,
+        "view": view,
+        "hide": hidden_dirs(keep),
+        "no_fork": no_fork,
+        **limits,
+    }
 
 
 def prepare_root(files: dict[str, str], uid: int | None) -> str:
@@ -194,8 +222,16 @@ def spawn(cfg: dict, cgroup_fd: int | None = None) -> tuple[subprocess.Popen, in
     argv = [sys.executable, "-I", "-S", f"/proc/self/fd/{boot}", str(conf), str(boot)]
     fds = (status_w, events_w, boot, conf) + ((cgroup_fd,) if cgroup_fd is not None else ())
     try:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env={}, cwd=cfg["root"], pass_fds=fds, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={},
+            cwd=cfg["root"],
+            pass_fds=fds,
+            start_new_session=True,
+        )
     except BaseException:
         for fd in (status_r, events_r):
             os.close(fd)
@@ -213,15 +249,28 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def pump(proc, status_r: int, events_r: int, stdin: list[bytes], *, timeout_s: float, output_limit: int,
-         on_event: Callable[[dict], bool] | None, first_event_s: float | None = None) -> Pumped:  # fmt: skip
+def pump(
+    proc,
+    status_r: int,
+    events_r: int,
+    stdin: list[bytes],
+    *,
+    timeout_s: float,
+    output_limit: int,
+    on_event: Callable[[dict], bool] | None,
+    first_event_s: float | None = None,
+) -> Pumped:
     """Feed stdin (the buffers in order, never joined) and read every pipe incrementally until all close or
     the run must stop. The deadline is `first_event_s` (default `timeout_s`) from the start, then `timeout_s`
     from each event on fd 3. Output beyond `output_limit` bytes stops the run: nothing is ever buffered past
     the cap."""
     out, sel = Pumped(), selectors.DefaultSelector()
-    reads = {proc.stdout.fileno(): out.stdout, proc.stderr.fileno(): out.stderr,
-             status_r: bytearray(), events_r: bytearray()}  # fmt: skip
+    reads = {
+        proc.stdout.fileno(): out.stdout,
+        proc.stderr.fileno(): out.stderr,
+        status_r: bytearray(),
+        events_r: bytearray(),
+    }
     for fd in reads:
         os.set_blocking(fd, False)
         sel.register(fd, selectors.EVENT_READ)

@@ -34,8 +34,14 @@ PRELUDE = (
 )
 # Upstream grades in processes forked from the documented command (README; PR #71 for the R1 models), whose
 # argv they inherit: `fileinput.input()` opens each argument (through the mocked open) and sys.argv shows them.
-ARGV = ["lcb_runner/runner/main.py", "--model", "deepseek-ai/DeepSeek-R1", "--scenario", "codegeneration",
-        "--evaluate"]  # fmt: skip
+ARGV = [
+    "lcb_runner/runner/main.py",
+    "--model",
+    "deepseek-ai/DeepSeek-R1",
+    "--scenario",
+    "codegeneration",
+    "--evaluate",
+]
 # What upstream's `reliability_guard()` disables before it compiles the candidate (set to None).
 GUARD = {
     "builtins": ("quit", "help"),

@@ -93,13 +93,26 @@ def _checked(workers, timeout_s, memory_mb, allow_unisolated, unknown: dict) -> 
         valid = sorted(Settings.__dataclass_fields__)
         raise ValueError(f"unknown setting(s) {sorted(unknown)}: the valid ones are {valid}")
     rules = (
-        ("workers", workers, workers is None or isinstance(workers, int) and not isinstance(workers, bool)
-         and workers >= 1, "null (one per CPU) or a positive integer"),
-        ("timeout_s", timeout_s, number(timeout_s) and 0 < timeout_s < math.inf, "a positive number of seconds"),
-        ("memory_mb", memory_mb, isinstance(memory_mb, int) and not isinstance(memory_mb, bool) and memory_mb > 0,
-         "a positive integer (MiB)"),
+        (
+            "workers",
+            workers,
+            workers is None or isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1,
+            "null (one per CPU) or a positive integer",
+        ),
+        (
+            "timeout_s",
+            timeout_s,
+            number(timeout_s) and 0 < timeout_s < math.inf,
+            "a positive number of seconds",
+        ),
+        (
+            "memory_mb",
+            memory_mb,
+            isinstance(memory_mb, int) and not isinstance(memory_mb, bool) and memory_mb > 0,
+            "a positive integer (MiB)",
+        ),
         ("allow_unisolated", allow_unisolated, isinstance(allow_unisolated, bool), "true or false"),
-    )  # fmt: skip
+    )
     for name, value, ok, rule in rules:
         if not ok:
             raise ValueError(f"{name} must be {rule}, got {value!r}")
@@ -210,17 +223,30 @@ class _Judge:
 
 
 # How a run that ended without a verdict from the judge is counted.
-_UNJUDGED = {"timeout": "timeout", "output_limit": "sandbox_kill", "memory": "sandbox_kill",
-             "killed": "sandbox_kill", "ok": "runtime_error", "runtime_error": "runtime_error"}  # fmt: skip
+_UNJUDGED = {
+    "timeout": "timeout",
+    "output_limit": "sandbox_kill",
+    "memory": "sandbox_kill",
+    "killed": "sandbox_kill",
+    "ok": "runtime_error",
+    "runtime_error": "runtime_error",
+}
 
 
 def _run_driver(code: str, tests: Cases, judge: _Judge, s: Settings) -> sandbox.RunResult:
     """One sandboxed driver run: a JSON header line, then the raw inputs (streamed, never joined)."""
     sizes = [len(b) for b in tests.encoded]
     header = json.dumps({"code": code, "fn_name": tests.fn_name, "sizes": sizes}).encode() + b"\n"
-    return sandbox.run_program(DRIVER, [header, *tests.encoded], timeout_s=s.timeout_s, first_event_s=STARTUP_S,
-                               memory_mb=s.memory_mb, cpu_s=STARTUP_CPU_S + s.timeout_s * (len(sizes) + 1),
-                               on_event=judge, allow_unisolated=s.allow_unisolated)  # fmt: skip
+    return sandbox.run_program(
+        DRIVER,
+        [header, *tests.encoded],
+        timeout_s=s.timeout_s,
+        first_event_s=STARTUP_S,
+        memory_mb=s.memory_mb,
+        cpu_s=STARTUP_CPU_S + s.timeout_s * (len(sizes) + 1),
+        on_event=judge,
+        allow_unisolated=s.allow_unisolated,
+    )
 
 
 def grade(code: str, tests: Cases, settings: Settings | None = None) -> Graded:

@@ -123,8 +123,10 @@ def tests_of(meta: dict) -> Cases:
     cases = json.loads(meta["public_test_cases"]) + decode_tests(meta["private_test_cases"])
     if not cases:
         raise ValueError("no test cases")
-    if not all(isinstance(c, dict) and isinstance(c.get("input"), str) and isinstance(c.get("output"), str)
-               for c in cases):  # fmt: skip
+    if not all(
+        isinstance(c, dict) and isinstance(c.get("input"), str) and isinstance(c.get("output"), str)
+        for c in cases
+    ):
         raise ValueError("a test case lacks a string input or output")
     fn_name = meta["fn_name"]
     for c in cases if fn_name else []:
@@ -151,10 +153,16 @@ def _parse(row: dict, i: int, date: datetime, max_new_tokens: int, make=generic_
         if not isinstance(row["question_content"], str) or not isinstance(row["starter_code"], str):
             raise ValueError("question_content/starter_code is not a string")
         metadata = json.loads(row["metadata"] or "{}")
-        meta = {"platform": row["platform"], "contest_id": row.get("contest_id"), "contest_date": date.isoformat(),
-                "difficulty": row["difficulty"], "title": row.get("question_title", ""),
-                "fn_name": metadata.get("func_name"), "public_test_cases": row["public_test_cases"],
-                "private_test_cases": row["private_test_cases"]}  # fmt: skip
+        meta = {
+            "platform": row["platform"],
+            "contest_id": row.get("contest_id"),
+            "contest_date": date.isoformat(),
+            "difficulty": row["difficulty"],
+            "title": row.get("question_title", ""),
+            "fn_name": metadata.get("func_name"),
+            "public_test_cases": row["public_test_cases"],
+            "private_test_cases": row["private_test_cases"],
+        }
         tests_of(meta)  # malformed or unsafe tests are found here, at load, not mid-run
     except (KeyError, TypeError, ValueError, pickle.UnpicklingError, zlib.error) as e:
         return Skipped(qid, f"{type(e).__name__}: {e}")
@@ -195,8 +203,18 @@ def _rows(paths, start, end, max_new_tokens: int, digest, counts: dict, make):
                 yield _parse(row, i, date, max_new_tokens, make)
 
 
-def load(source="sample", n=None, seed=0, release="release_v6", start_date=None, end_date=None,
-         max_new_tokens=2000, *, make=generic_sample, **_) -> Loaded:  # fmt: skip
+def load(
+    source="sample",
+    n=None,
+    seed=0,
+    release="release_v6",
+    start_date=None,
+    end_date=None,
+    max_new_tokens=2000,
+    *,
+    make=generic_sample,
+    **_,
+) -> Loaded:
     """Problems sorted by question_id (upstream's order). `release` selects hub shards or the shard files of
     a local directory (the bundled sample and a local file are read whole); the date window applies to all.
     With n, a seeded random subset is kept in that order. `make` builds each Sample (the prompt style)."""
@@ -205,8 +223,12 @@ def load(source="sample", n=None, seed=0, release="release_v6", start_date=None,
     rows = _rows(paths, _day(start_date), _day(end_date), max_new_tokens, digest, counts, make)
     samples, skipped = unique(rows, "question_id")
     samples = subsample(sorted(samples, key=lambda s: s.id), n, seed)
-    stats = {"release": release if source != "sample" else None, "start_date": start_date, "end_date": end_date,
-             **counts}  # fmt: skip
+    stats = {
+        "release": release if source != "sample" else None,
+        "start_date": start_date,
+        "end_date": end_date,
+        **counts,
+    }
     return Loaded(samples, tag, digest.hexdigest(), skipped, stats)
 
 
@@ -227,8 +249,12 @@ def metrics(outcomes: list[str], difficulty: str) -> dict[str, float]:
 def problem_key(sample: Sample) -> str:
     """Names a problem's tests for the grading memo: a digest of the fields they are decoded from."""
     h = hashlib.sha256()
-    for part in (sample.id, str(sample.meta["fn_name"]), sample.meta["public_test_cases"],
-                 sample.meta["private_test_cases"]):  # fmt: skip
+    for part in (
+        sample.id,
+        str(sample.meta["fn_name"]),
+        sample.meta["public_test_cases"],
+        sample.meta["private_test_cases"],
+    ):
         h.update(part.encode("utf-8", "surrogatepass") + b"\0")
     return h.hexdigest()
 
@@ -238,8 +264,10 @@ def score_many(items: list[tuple[list[str], Sample]]) -> list[dict[str, float]]:
     (`workers` at a time), each problem's tests decoded once, outcomes memoized per process."""
     if empty := [s.id for preds, s in items if not preds]:
         raise ValueError(f"no predictions to score for {empty[:5]}")
-    problems = [(problem_key(s), functools.partial(tests_of, s.meta), [extract_code(p) for p in preds])
-                for preds, s in items]  # fmt: skip
+    problems = [
+        (problem_key(s), functools.partial(tests_of, s.meta), [extract_code(p) for p in preds])
+        for preds, s in items
+    ]
     graded = grade_problems(problems)
     return [metrics([g.outcome for g in gs], s.meta["difficulty"]) for gs, (_, s) in zip(graded, items)]
 

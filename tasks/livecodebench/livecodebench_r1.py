@@ -53,8 +53,16 @@ def r1_sample(qid: str, row: dict, meta: dict, max_new_tokens: int) -> Sample:
     return Sample(qid, TASK, text, [], max_new_tokens, subset=subset, meta=meta, rendered=True)
 
 
-def load(source="sample", n=None, seed=0, release="release_v6", start_date=None, end_date=None,
-         max_new_tokens=2000, **_):  # fmt: skip
+def load(
+    source="sample",
+    n=None,
+    seed=0,
+    release="release_v6",
+    start_date=None,
+    end_date=None,
+    max_new_tokens=2000,
+    **_,
+):
     """The generic loader (same data, window and order), each problem in the DeepSeekR1 prompt style."""
     return lcb.load(source, n, seed, release, start_date, end_date, max_new_tokens, make=r1_sample)
 
