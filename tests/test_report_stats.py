@@ -17,6 +17,7 @@ from evalkit.report.stats import (
     mcnemar_exact,
     needed_problems,
     no_variation_ci,
+    p_value,
     sign_flip_pvalue,
     verdict,
 )
@@ -209,6 +210,22 @@ def test_sample_size_by_hand():
     # no variation seen: the n at which the exact bound clears delta (ln .025 / ln .98 = 182.6)
     assert needed_problems(0.0, 0.0, 20, S) == 183
     assert no_variation_ci(0.0, 183, 0.95)[0] > -2 >= no_variation_ci(0.0, 182, 0.95)[0]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_p_value_counts_the_discordant_pairs_of_binary_data(seed):
+    # all four cell kinds (both right, both wrong, only full right, only compressed right), in a shuffled
+    # order: the McNemar p-value is scipy's binomtest on the two discordant counts and nothing else
+    g = np.random.default_rng(seed)
+    kinds = {(100, 100): 7, (0, 0): 5, (100, 0): 9 + seed, (0, 100): 2}  # (full, compressed): count
+    pairs = [k for k, n in kinds.items() for _ in range(n)]
+    g.shuffle(pairs)
+    f, c = (np.array([p[i] for p in pairs], dtype=float) for i in (0, 1))
+    got, test = p_value(c, f, True, S, rng())
+    want = sps.binomtest(2, 2 + 9 + seed, 0.5, alternative="two-sided").pvalue
+    assert test == "mcnemar" and got == pytest.approx(want, rel=1e-12)
+    flipped, _ = p_value(f, c, True, S, rng())  # the direction of the difference does not change a 2-sided p
+    assert flipped == pytest.approx(want, rel=1e-12)
 
 
 def test_compare_picks_the_test_and_widens_degenerate_cells():
