@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from evalkit import leaderboard
-from tests.runs_fixture import binary_rows, write_run
+from tests.runs_fixture import binary_rows, sample_row, write_run
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL = [1] * 30
@@ -176,3 +176,29 @@ def test_runs_from_the_current_runner_without_identity_or_scorer_version(tmp_pat
     assert snap["256_vs_full"] == pytest.approx(-10.0) and pd.isna(snap["scorer_version"])
     scored = long[(long.method == "snapstream") & (long.metric == "score")]
     assert set(scored.paired_with) == {"ruler/smollm2_135m/full/none"}
+
+
+def test_breakdown_rows_carry_their_own_paired_cell(tmp_path):
+    """Each `metric/subset` row is paired on its own problems: subset a loses 4 of 10, subset b none, so the
+    rows differ from the headline's cell and from each other; every CI brackets its own difference."""
+
+    def rows(outcomes: dict[str, list[int]]) -> list[dict]:
+        return [
+            sample_row(f"{sub}{i}", [{"score": 100.0 * o, f"score/{sub}": 100.0 * o}], subset=sub)
+            for sub, outs in outcomes.items()
+            for i, o in enumerate(outs)
+        ]
+
+    write_run(tmp_path, rows({"a": [1] * 10, "b": [1] * 10}), method="full", budget=None)
+    write_run(tmp_path, rows({"a": [1] * 6 + [0] * 4, "b": [1] * 10}), budget=256)
+    long, wide = read(tmp_path)
+    snap = long[(long.method == "snapstream") & (long.metric == "score")].set_index("subset")
+    assert snap.loc["all", "paired_diff"] == pytest.approx(-20.0)
+    assert snap.loc["a", "paired_diff"] == pytest.approx(-40.0)
+    assert snap.loc["b", "paired_diff"] == pytest.approx(0.0)
+    assert snap.loc["a", "n_paired"] == snap.loc["b", "n_paired"] == 10 and snap.loc["all", "n_paired"] == 20
+    assert snap.loc["a", "ci_low"] != snap.loc["all", "ci_low"]
+    for _, r in snap.iterrows():
+        assert r.ci_low <= r.paired_diff <= r.ci_high, r
+    w = wide[wide.method == "snapstream"].iloc[0]
+    assert w["256_ci_low"] <= w["256_vs_full"] <= w["256_ci_high"] and w["256_ci_low"] < w["256_ci_high"]
