@@ -1,6 +1,6 @@
-"""The documentation's links resolve: every relative Markdown link in README.md, docs/*.md and tasks/README.md
-names an existing file, and every `#anchor` a heading of its page (GitHub's anchor rule). Task modules' pointers
-to their deviations (`docs/deviations.md#<benchmark>`) resolve too."""
+"""The documentation's links resolve: every relative Markdown link in README.md, docs/*.md and
+tasks/README.md names an existing file, and every `#anchor` a heading of its page (GitHub's anchor rule).
+Task modules' pointers to their deviations (`docs/deviations.md#<benchmark>`) resolve too."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)  # https:, mailto:, ...
 
 
 def github_anchor(heading: str) -> str:
-    """GitHub's heading id: markup dropped, lowercase, punctuation removed (letters, digits, '-', '_' and spaces
-    stay), each space a '-'."""
+    """GitHub's heading id: markup dropped, lowercase, punctuation removed (letters, digits, '-', '_' and
+    spaces stay), each space a '-'."""
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link keeps its text
     text = text.replace("`", "").replace("*", "")
     text = re.sub(r"[^\w\- ]", "", text.strip().lower())
