@@ -5,6 +5,7 @@ that schema or in `Maxwell-Jia/AIME_2024`'s. Prompt and sampling from the DeepSe
 Recommendations" (no system prompt, T=0.6, top_p 0.95, 32768 new tokens, k samples); pass@1 is the mean over
 the k samples and cons@k their majority vote, as in the R1 paper. The last box is judged by math-verify
 against the gold integer (`tasks/aime24/grade.py`), as lighteval and OpenCompass judge AIME.
+Deviations from upstream: docs/deviations.md#aime24.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ conf/task/livecodebench*.yaml with `configure(**setup)` before the model loads a
 returns (the settings, the detected isolation, what bounds memory) in metrics.json; without enough isolation
 it refuses unless `allow_unisolated`. `score_many` grades every prediction of many problems on one pool of
 sandboxes; outcomes are memoized per process, so scoring a prediction again runs nothing.
+Deviations from upstream: docs/deviations.md#livecodebench.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ Dataset `THUDM/LongBench-v2` (now also `zai-org/LongBench-v2`), file `data.json`
 pinned at `REVISION`. Protocol from THUDM/LongBench@2e00731: prompts `prompts/0shot.txt`, `0shot_cot.txt`,
 `0shot_cot_ans.txt`; middle truncation, generation settings and `extract_answer` from `pred.py`; the
 easy/hard/short/medium/long table and the 0.25 "compensated" credit from `result.py`.
+Deviations from upstream: docs/deviations.md#longbench-v2.
 """
 
 from __future__ import annotations
