@@ -8,12 +8,14 @@ wall-clock threshold: time bounds are scaled by this machine's own time for an e
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import glob
 import importlib.util
 import json
 import os
+import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +26,7 @@ import psutil
 import pytest
 
 from evalkit import sandbox
-from evalkit.sandbox import _host
+from evalkit.sandbox import _boot, _host
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,13 +94,13 @@ def sandbox_processes() -> list[psutil.Process]:
 @pytest.fixture(autouse=True)
 def machine_unchanged():
     """After each test: no children (zombie or not) of this process, no sandbox-uid process anywhere, and no
-    run directory left behind."""
-    dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "evalkit-sbx-*")))
+    run directory of this process left behind (other processes on the machine may be grading meanwhile)."""
+    dirs = set(_host.run_dirs(os.getpid()))
     children = set(psutil.Process().children(recursive=True))  # e.g. worker pools of other test modules
     yield
     assert set(psutil.Process().children(recursive=True)) <= children
     assert sandbox_processes() == []
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "evalkit-sbx-*"))) <= dirs
+    assert set(_host.run_dirs(os.getpid())) <= dirs
 
 
 def test_isolation_detected():
@@ -211,6 +213,140 @@ def test_nofork_allows_threads_only():
     )
     r = run(code)
     assert r.stdout == "fork refused 1\nspawn refused 1\nthreads [0, 1, 2, 3, 4, 5, 6, 7]\n", r.stderr
+
+
+# --- memory that is no address space ----------------------------------------------------------------------
+# RLIMIT_AS (the no-fork bound) does not count memory held in kernel objects. Each path below is tried by a
+# program that keeps going after each refusal (a new file, segment or pipe; descriptors parked in flight on a
+# socket once it runs out) until it holds 512 MB or nothing more is handed out, under memory_mb=256 and
+# disk_mb=64. The old sandbox let it hold 512 MB in memfds or SysV shared memory, 500 MB in message queues,
+# 128 MB in the working dir plus /dev/shm and 67 MB in grown pipes.
+HOARD = r"""
+import array, ctypes, fcntl, os, socket
+MB = 1 << 20
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+held, kept = 0, []
+parking = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)  # descriptors sent here stay alive in flight
+parking[0].setblocking(False)
+
+
+def park(fds):  # free the descriptor slots: what they hold stays
+    for fd in fds:
+        try:
+            parking[0].sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            os.close(fd)
+        except OSError:
+            kept.append(fd)
+
+
+def check(ret, what):
+    if ret == -1 or ret is None:
+        raise OSError(ctypes.get_errno(), what)
+    return ret
+
+
+def fill(fd):  # write until the kernel refuses more (a full buffer, or a size cap)
+    global held
+    os.set_blocking(fd, False)
+    chunk = b"x" * (1 << 16)
+    try:
+        while held < 512 * MB:
+            held += os.write(fd, chunk)
+    except OSError:  # full (EAGAIN), or this file at a cap (EFBIG, ENOSPC): the next one, then
+        pass
+
+
+def hold_one(i):
+    global held
+    if KIND == "memfd":
+        fd = os.memfd_create("hold")
+        fill(fd)
+        return [fd]
+    if KIND == "tmpfs":  # the working dir and /dev/shm in turn
+        fd = os.open(f"{('.', '/dev/shm')[i % 2]}/hold{i}", os.O_CREAT | os.O_WRONLY)
+        fill(fd)
+        return [fd]
+    if KIND == "sysv_shm":
+        seg = check(libc.shmget(0, 16 * MB, 0o1600), "shmget")
+        at = check(libc.shmat(seg, None, 0), "shmat")
+        ctypes.memset(at, 1, 16 * MB)
+        libc.shmdt(ctypes.c_void_p(at))
+        held += 16 * MB
+        return []
+    if KIND == "sysv_msg":
+        queue, msg = check(libc.msgget(0, 0o1600), "msgget"), ctypes.create_string_buffer(b"\1" + bytes(8199))
+        while held < 512 * MB and libc.msgsnd(queue, msg, 8192, 0o4000) == 0:
+            held += 8192
+        return []
+    if KIND == "pipe":
+        r, w = os.pipe()
+        try:
+            fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ: 1 MB instead of 64 KB
+        except OSError:
+            pass
+        fill(w)
+        os.close(w)
+        return [r]
+    a, b = socket.socketpair()
+    sender, receiver = a.detach(), b.detach()
+    fill(sender)
+    return [sender, receiver]
+
+
+error = None
+try:
+    for i in range(2000):
+        if held >= 512 * MB:
+            break
+        park(hold_one(i))
+except OSError as e:
+    error = e.errno
+print(held >> 20, error)
+"""
+
+# What each path may still hold (MB): refused outright; the one tmpfs behind the working dir and /dev/shm
+# (disk_mb); default-size pipe and socket buffers, bounded by the descriptors (open and in flight).
+HOARD_BOUND_MB = {"memfd": 0, "sysv_shm": 0, "sysv_msg": 0, "tmpfs": 64, "pipe": 40, "socket": 64}
+
+
+@pytest.mark.parametrize("kind", sorted(HOARD_BOUND_MB))
+def test_memory_outside_the_address_space_is_bounded(view, kind):
+    """With a cgroup all of it is charged to memory.max (the OOM killer ends the program); without one, each
+    path is refused or capped (seccomp, one size-capped tmpfs, pipes kept at their default size)."""
+    needs(memory=("cgroup", "nofork"))
+    r = run(f"KIND = {kind!r}\n" + HOARD, memory_mb=256, timeout_s=60)
+    if sandbox.isolation()["memory"] == "cgroup" and r.status == "memory":
+        return
+    assert r.status == "ok", r.stderr
+    held_mb = int(r.stdout.split()[0])
+    assert held_mb <= HOARD_BOUND_MB[kind], r.stdout
+
+
+# A candidate that holds its memory through each path, as graded: the way a plain overrun is (an exception in
+# the program: upstream's runtime error), never as a pass.
+GRADED_HOARDS = {
+    "plain": "b = bytearray(1 << 40)",
+    "memfd": "import os\nfor _ in range(16):\n    os.pwrite(os.memfd_create('x'), b'x' * (32 << 20), 0)",
+    "tmpfs": "for i in range(16):\n    open(f'/dev/shm/{i}', 'wb').write(b'x' * (32 << 20))",
+    "sysv_shm": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = ctypes.c_void_p\n"
+    "seg = libc.shmget(0, 512 << 20, 0o1600)\nif seg < 0:\n    raise OSError(ctypes.get_errno(), 'shmget')\n"
+    "ctypes.memset(libc.shmat(seg, None, 0), 1, 512 << 20)",
+    "pipe": "import fcntl, os\nfor _ in range(100):\n    fcntl.fcntl(os.pipe()[1], 1031, 1 << 20)",
+}
+
+
+def test_memory_hoarding_is_graded_as_a_memory_overrun():
+    needs(memory=("cgroup", "nofork"))
+    from tasks.livecodebench import grade
+    from tasks.livecodebench.grade import Cases
+
+    settings = grade.Settings(workers=1, timeout_s=10, memory_mb=256, allow_unisolated=True)
+    tests = Cases(["1\n"], ["1\n"], None)
+    outcomes = {
+        k: grade.grade(c + "\nprint(input())", tests, settings).outcome for k, c in GRADED_HOARDS.items()
+    }
+    assert outcomes == dict.fromkeys(GRADED_HOARDS, "runtime_error"), outcomes
 
 
 # --- no nested namespaces, no configuration in view (15.10) ----------------------------------------------------
@@ -464,11 +600,18 @@ def test_first_event_deadline_is_separate():
 
 @pytest.mark.parametrize(
     "lacking",
-    [{"network": None}, {"pid": False, "user": "userns"}, {"pid": False, "user": None}],
+    [
+        {"network": None},
+        {"pid": False, "user": "userns"},
+        {"pid": False, "user": None},
+        {"filesystem": "ro-root"},
+        {"filesystem": "cwd-only"},
+    ],
 )
 def test_refuses_without_isolation(monkeypatch, lacking):
-    """No network namespace, or nothing keeping the program's processes from the harness's (a user namespace
-    alone runs it as the harness's user, able to kill() it or leave daemons)."""
+    """No network namespace, nothing keeping the program's processes from the harness's (a user namespace
+    alone runs it as the harness's user, able to kill() it or leave daemons), or no allow-list view (the
+    read-only host shows other checkouts, other runs' results, data caches)."""
     monkeypatch.setattr(sandbox, "_probed", {**sandbox.isolation(), **lacking})
     with pytest.raises(sandbox.SandboxError, match="allow_unisolated"):
         sandbox.run_program("print(1)", timeout_s=2, memory_mb=512)
@@ -556,7 +699,7 @@ def test_harness_packages_and_data_are_not_in_view(view):
 def test_a_harness_package_inside_the_bound_prefix_is_empty(view, monkeypatch):
     """The wheel layout without building a wheel: a package dir inside the interpreter's bound prefix (pip's,
     standing in for an installed `tasks`) is mounted empty once it is a harness dir, and only then."""
-    pip_dir = os.path.dirname(importlib.util.find_spec("pip").origin)
+    pip_dir = os.path.dirname(os.path.realpath(importlib.util.find_spec("pip").origin))
     assert pip_dir.startswith(os.path.realpath(sys.prefix)) and os.listdir(pip_dir)
     assert listing([pip_dir])[pip_dir]  # visible as an ordinary package
     monkeypatch.setattr(_host, "harness_dirs", lambda: [pip_dir])
@@ -664,3 +807,141 @@ def test_cgroup_choice(monkeypatch, tmp_path):
     monkeypatch.setattr(sandbox, "_probed", None)
     with pytest.raises(sandbox.SandboxError, match="EVALKIT_SANDBOX_CGROUP.*not a cgroup v2 directory"):
         sandbox.isolation()
+
+
+# --- the read-only host view, where it is allowed (allow_unisolated) -----------------------------------------
+def test_checkout_and_its_git_are_not_in_view(view):
+    """The checkout (its results, journals, task data) and its .git (every bundled solution in every commit),
+    the main repository's .git too where the checkout is a worktree: in neither view. The fallback also
+    hides what it can name, though it is refused unless allow_unisolated (other repositories, data caches)."""
+    repos = _host.repositories()
+    assert str(REPO) in repos and all(os.listdir(r) for r in repos)
+    seen = listing([*repos, str(REPO / ".git"), str(REPO / "results"), *DATA])
+    prefixes = [Path(os.path.realpath(p)) for p in (sys.prefix, sys.base_prefix)]
+    venv = sorted({p.relative_to(REPO).parts[0] for p in prefixes if p.is_relative_to(REPO)})  # stays, inside
+    assert seen.pop(str(REPO)) in (False, [], venv), seen
+    assert all(v in (False, []) for v in seen.values()), seen
+
+
+def test_runs_with_the_checkout_under_home(view, monkeypatch):
+    """A checkout under $HOME (or /root, /tmp: the dirs the fallback empties) gets its package dirs hidden
+    with the dir around it; the view still builds (it used to fail: mount ...: No such file or directory)."""
+    monkeypatch.setenv("HOME", str(REPO.parent))
+    r = run("import os\nprint(os.path.exists(" + repr(str(REPO / "evalkit")) + "))")
+    assert (r.status, r.stdout, r.error) == ("ok", "False\n", "")
+
+
+# --- nothing outlives a killed harness ------------------------------------------------------------------------
+GRADER = """
+import sys
+from evalkit import sandbox
+sandbox._probed = {**sandbox.isolation(), "filesystem": sys.argv[1]}
+sandbox.run_program("import time\\ntime.sleep(600)", timeout_s=600, memory_mb=256, allow_unisolated=True)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_nothing_outlives_a_killed_harness(view, sig):
+    """A grading process killed outright while its program sleeps: the bootstrap, the init and the program
+    die with it (not at their 600 s timeout), and its run dir goes at the next run (here: ours)."""
+    grader = subprocess.Popen(
+        [sys.executable, "-c", GRADER, view], env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    tree = []
+    try:
+        for _ in range(600):  # B, I and P (no fork) started: the program is asleep, or about to be
+            tree = psutil.Process(grader.pid).children(recursive=True)
+            if len(tree) >= 3:
+                break
+            psutil.wait_procs([], timeout=0.05)
+        assert len(tree) >= 3, tree
+        psutil.wait_procs([], timeout=0.3)
+        grader.send_signal(sig)
+        assert grader.wait() == -sig
+        _, alive = psutil.wait_procs(tree, timeout=5)
+        assert alive == []
+    finally:
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        grader.kill()
+        grader.wait()
+    assert [
+        p for p in psutil.process_iter(["uids"]) if p.info["uids"].real in _host.uid_range(grader.pid)
+    ] == []
+    assert len(_host.run_dirs(grader.pid)) == 1  # it could not remove its own
+    assert run("pass").status == "ok"  # sweeps the dead harness's run dir
+    assert _host.run_dirs(grader.pid) == []
+
+
+# --- nothing passes from one run to the next -------------------------------------------------------------------
+KEYRING = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+ADD_KEY, REQUEST_KEY, KEYCTL = {calls}
+if {add}:
+    rc = libc.syscall(ADD_KEY, b"user", b"evalkit-canary", b"expected-output", 15, -4)  # the user keyring
+    print("add", rc if rc < 0 else "ok", ctypes.get_errno())
+else:
+    key, buf = libc.syscall(REQUEST_KEY, b"user", b"evalkit-canary", None, 0), ctypes.create_string_buffer(64)
+    print("read", key, ctypes.get_errno(), libc.syscall(KEYCTL, 11, key, buf, 64) if key >= 0 else "", buf.value)
+"""
+
+
+def test_keyrings_do_not_carry_data_between_runs(view):
+    """Keyrings belong to the uid and outlive its processes, and per-run uids are reused: run A stores a key,
+    run B (the same uid) must not find it. The calls are refused (seccomp)."""
+    needs(seccomp=True)
+    nr = _boot.SYSCALLS[os.uname().machine]
+    calls = (nr["add_key"], nr["request_key"], nr["keyctl"])
+    a = run(KEYRING.format(calls=calls, add=True))
+    b = run(KEYRING.format(calls=calls, add=False))
+    assert (a.status, b.status) == ("ok", "ok") and "expected-output" not in b.stdout, (a.stdout, b.stdout)
+    assert (a.stdout, b.stdout) == ("add -1 1\n", "read -1 1  b''\n")
+
+
+def test_init_cmdline_names_no_host_path(view):
+    """/proc/1/cmdline (the sandbox's init, readable by the program) shows no host interpreter path."""
+    needs(pid=True)
+    r = run("print(open('/proc/1/cmdline').read())")
+    argv0 = r.stdout.split("\0")[0]
+    assert argv0 == "python3" and sys.executable not in r.stdout and sys.prefix not in r.stdout, r.stdout
+
+
+# --- settings the host cannot run, refused at configuration ---------------------------------------------------
+def test_more_workers_than_the_host_can_run_are_refused(monkeypatch):
+    """Every worker holds descriptors (pipes, the run dir's lock) and, as root, a per-run uid: more than the
+    process's open-file limit or its uid slots allow failed only at grading, after the whole generation."""
+    from tasks.livecodebench import grade
+
+    monkeypatch.setattr(grade, "_settings", grade._settings)  # restored after the accepted call below
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))
+    try:
+        assert sandbox.max_parallel() == (512 - 256) // sandbox.FDS_PER_RUN == 16
+        with pytest.raises(
+            ValueError, match=r"^workers=17 is more sandboxes than this process can run at once \(16"
+        ):
+            grade.configure(workers=17, memory_mb=1024, allow_unisolated=True)
+        assert grade.configure(workers=16, memory_mb=1024, allow_unisolated=True)["workers"] == 16
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    n = sandbox.max_parallel()
+    assert n <= _host.SLOTS or os.geteuid() != 0
+    with pytest.raises(ValueError, match=f"workers={n + 1} is more sandboxes"):
+        grade.configure(workers=n + 1, allow_unisolated=True)
+
+
+def test_configure_reports_a_sandbox_failure_as_such(monkeypatch):
+    """A sandbox that cannot start the grader is not a memory setting: the error says what failed."""
+    from tasks.livecodebench import grade
+
+    failed = sandbox.RunResult(
+        "sandbox_error", "", "", 1, 0.1, "isolation: mount /x: No such file or directory"
+    )
+    monkeypatch.setattr(sandbox, "run_program", lambda *a, **kw: failed)
+    with pytest.raises(
+        sandbox.SandboxError, match="^the sandbox cannot start the grader: isolation: mount /x"
+    ) as e:
+        grade.configure(workers=1, allow_unisolated=True)
+    assert "memory_mb" not in str(e.value)

@@ -29,6 +29,7 @@ driver that executes many tests in one process and stops it at the first failure
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import threading
 import time
@@ -87,12 +88,19 @@ def isolation() -> dict:
 
 
 def missing_isolation(iso: dict) -> str:
-    """Why `iso` is not enough to run untrusted code ("" when it is): no network namespace, nothing that
-    keeps the program's processes from signalling the harness and outliving the run (a PID namespace, or
-    its own uid: in a user namespace alone it runs as the harness's user), or nothing that bounds the
-    memory of the whole program (one process could fork its way past any per-process limit)."""
+    """Why `iso` is not enough to run untrusted code ("" when it is): no network namespace, no allow-list
+    view (the read-only host view still shows what no list can name: other checkouts and their .git,
+    results and journals of other runs, data caches), nothing that keeps the program's processes from
+    signalling the harness and outliving the run (a PID namespace, or its own uid: in a user namespace
+    alone it runs as the harness's user), or nothing that bounds the memory of the whole program (one
+    process could fork its way past any per-process limit)."""
     if iso["network"] is None:
         return "no network isolation"
+    if iso["filesystem"] != "allowlist":
+        return (
+            f"no allow-list file-system view (only {iso['filesystem']!r}: the host's other files, such as "
+            "other checkouts, results and data caches, stay readable)"
+        )
     if not iso["pid"] and iso["user"] != "uid-drop":
         return "no process containment (neither a PID namespace nor a uid of its own)"
     if iso["memory"] is None:
@@ -140,6 +148,17 @@ def run_program(
         cgroup_parent=iso.get("cgroup"),
     )
     return res
+
+
+FDS_PER_RUN = 16  # the harness's descriptors per run in flight (pipes, run-dir lock; more while spawning)
+
+
+def max_parallel() -> int:
+    """How many runs this process can have in flight at once: its descriptor limit (RLIMIT_NOFILE, less a
+    margin for everything else) and, as root, the per-run uids it hands out."""
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    most = (nofile - 256) // FDS_PER_RUN if nofile != resource.RLIM_INFINITY else _host.SLOTS
+    return max(1, min(most, _host.SLOTS if os.geteuid() == 0 else most))
 
 
 def map_parallel(fn: Callable, items: Iterable, workers: int | None = None) -> list:

@@ -96,16 +96,22 @@ def _user_ns(cfg) -> None:
 
 
 def _hide(cfg) -> None:
-    """Overmount private or shared dirs (/root, $HOME, /tmp, /run, ...) with an empty tmpfs, then re-expose
-    only what the program needs inside them (interpreter, venv, its run dir). A kept dir is held open by an
-    O_PATH fd across the overmount and bound back from /proc/self/fd: its path no longer leads to it."""
+    """Overmount private or shared dirs (/root, $HOME, /tmp, /run, the harness's checkout, ...) with an empty
+    tmpfs, then re-expose only what the program needs inside them (interpreter, venv, its run dir). A kept
+    dir is held open by an O_PATH fd across the overmount and bound back from /proc/self/fd: its path no
+    longer leads to it. A dir already gone from view (inside one hidden before) needs nothing."""
     for hidden, keep in cfg["hide"]:
-        fds = [(os.open(path, os.O_PATH | os.O_DIRECTORY), path) for path in keep]
-        _mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
-        for fd, path in fds:
-            os.makedirs(path, mode=0o755, exist_ok=True)
-            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-            os.close(fd)
+        if not keep and not os.path.isdir(hidden):
+            continue
+        try:
+            fds = [(os.open(path, os.O_PATH | os.O_DIRECTORY), path) for path in keep]
+            _mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+            for fd, path in fds:
+                os.makedirs(path, mode=0o755, exist_ok=True)
+                _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+                os.close(fd)
+        except OSError as e:
+            raise OSError(e.errno, f"ro-root view: hiding {hidden} (keeping {keep}): {e.strerror}") from None
 
 
 def _mountinfo() -> list[tuple[str, int]]:
@@ -197,13 +203,19 @@ def _ro_root(cfg) -> None:
 
 
 def _scratch(cfg, new: str) -> None:
-    """The writable places under the root `new`: the size-capped working dir, and /dev/shm (multiprocessing's
-    semaphores need it)."""
-    size, uid = f"size={cfg['disk_mb']}m", cfg["uid"]
-    owner = f",uid={uid},gid={uid}" if uid is not None else ""
-    _mount("tmpfs", new + cfg["work"], "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=0700{owner}")
+    """The writable places under the root `new`: the working dir and /dev/shm (multiprocessing's semaphores
+    need it), two dirs of one tmpfs of `disk_mb`: every file the program writes counts against that one
+    size (in no-fork mode its memory bound is address space plus these files)."""
+    work, uid = new + cfg["work"], cfg["uid"]
+    _mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk_mb']}m,mode=0700")
+    for name, mode in ((".shm", 0o1777), (".work", 0o700)):
+        os.mkdir(f"{work}/{name}")
+        os.chmod(f"{work}/{name}", mode)  # past the umask
+    if uid is not None:
+        os.chown(f"{work}/.work", uid, uid)
     if os.path.isdir(new + "/dev/shm"):
-        _mount("tmpfs", new + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
+        _mount(f"{work}/.shm", new + "/dev/shm", None, MS_BIND)
+    _mount(f"{work}/.work", work, None, MS_BIND)  # covers the tmpfs's root: only .work shows there
 
 
 def setup(cfg) -> dict:
@@ -248,15 +260,43 @@ def _seccomp_works() -> bool:
 # --- seccomp (P) ------------------------------------------------------------------------------------------
 # A classic BPF filter, built here because Python has no seccomp module. It always refuses new namespaces
 # (unshare, setns, clone with a CLONE_NEW* flag): a nested user namespace would give the program capabilities
-# (mounts, more namespaces) over its own view. With `no_fork` it also refuses new processes (fork, vfork,
-# clone without CLONE_THREAD), so RLIMIT_AS bounds the whole program: threads share the one address space.
-# clone3 passes its flags in memory a filter cannot read: ENOSYS, and glibc falls back to clone.
+# (mounts, more namespaces) over its own view; and the kernel keyrings (add_key, request_key, keyctl): a
+# user's keyrings outlive its processes, and per-run uids are reused, so a key would pass from one run to the
+# next. With `no_fork` it also refuses new processes (fork, vfork, clone without CLONE_THREAD), so RLIMIT_AS
+# bounds the whole program (threads share the one address space), and the memory that is no address space
+# and can grow without a bound other than the descriptors: memfds (and secret ones), SysV shared memory and
+# message queues, io_uring's rings, pipes grown past their default size (fcntl F_SETPIPE_SZ), and pages lent
+# to a pipe by vmsplice. What stays: files on its one tmpfs (disk_mb) and socket and default-size pipe
+# buffers (a few tens of MB with 256 descriptors). clone3 passes its flags in memory a filter cannot read:
+# ENOSYS, and glibc falls back to clone.
 
 SECCOMP_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}  # AUDIT_ARCH_* of the native ABI
-SYSCALLS = {  # unshare, setns, clone, clone3, then the dedicated fork calls (aarch64 has none)
-    "x86_64": {"unshare": 272, "setns": 308, "clone": 56, "clone3": 435, "fork": 57, "vfork": 58},
-    "aarch64": {"unshare": 97, "setns": 268, "clone": 220, "clone3": 435},
-}
+SYSCALLS = {  # the clone/namespace calls, the dedicated fork calls (aarch64 has none), keyrings, memory
+    "x86_64": {
+        "unshare": 272, "setns": 308, "clone": 56, "clone3": 435, "fork": 57, "vfork": 58,
+        "add_key": 248, "request_key": 249, "keyctl": 250,
+        "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "msgget": 68, "io_uring_setup": 425,
+        "vmsplice": 278, "fcntl": 72,
+    },
+    "aarch64": {
+        "unshare": 97, "setns": 268, "clone": 220, "clone3": 435,
+        "add_key": 217, "request_key": 218, "keyctl": 219,
+        "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "msgget": 186, "io_uring_setup": 425,
+        "vmsplice": 75, "fcntl": 25,
+    },
+}  # fmt: skip
+ALWAYS_DENIED = ("unshare", "setns", "add_key", "request_key", "keyctl")
+NOFORK_DENIED = (
+    "fork",
+    "vfork",
+    "memfd_create",
+    "memfd_secret",
+    "shmget",
+    "msgget",
+    "io_uring_setup",
+    "vmsplice",
+)
+F_SETPIPE_SZ = 1031
 X32_BIT = 0x40000000  # x86_64's x32 ABI numbers: refused wholesale (same calls, other numbers)
 CLONE_THREAD, CLONE_NEW_ANY = 0x00010000, 0x7E020000  # NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
@@ -279,13 +319,16 @@ class _Prog(ctypes.Structure):
 
 def seccomp_program(machine: str, no_fork: bool) -> list[tuple[int, int, int, int]]:
     """The filter as (code, jt, jf, k) instructions. seccomp_data: nr at offset 0, arch at 4, the low 32
-    bits of args[0] (clone's flags) at 16. Jumps are relative; `deny` and `allow` are the last two."""
-    nr, deny_nr = SYSCALLS[machine], ["unshare", "setns"] + (["fork", "vfork"] if no_fork else [])
-    deny_nr = [nr[name] for name in deny_nr if name in nr]
+    bits of args[0] (clone's flags) at 16, of args[1] (fcntl's command) at 24. Jumps are relative; `deny`
+    and `allow` are the last two."""
+    nr = SYSCALLS[machine]
+    deny_nr = [nr[name] for name in ALWAYS_DENIED + (NOFORK_DENIED if no_fork else ()) if name in nr]
     head = [(LD_W_ABS, 0, 0, 4), (JEQ, 1, 0, SECCOMP_ARCH[machine]), ("deny",), (LD_W_ABS, 0, 0, 0)]
     if machine == "x86_64":
         head.append((JGE, "deny", 0, X32_BIT))
     head += [(JEQ, "deny", 0, n) for n in deny_nr]
+    if no_fork:  # fcntl: refuse F_SETPIPE_SZ only (the two instructions after the test read its command)
+        head += [(JEQ, 0, 2, nr["fcntl"]), (LD_W_ABS, 0, 0, 24), (JEQ, "deny", "allow", F_SETPIPE_SZ)]
     head += [
         (JEQ, "nosys", 0, nr["clone3"]),
         (JEQ, 0, "allow", nr["clone"]),
@@ -359,6 +402,8 @@ def _program(cfg, got) -> None:
         for fd in (cfg["proc_fd"], cfg["cgroup_fd"]):  # no handle on the host's /proc or cgroups reaches it
             if fd is not None:
                 os.close(fd)
+        # the uid change cleared it: should I die (B or the harness killed), P dies too, even without a PID ns
+        _c(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
         _c(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")  # setuid binaries stay unprivileged
         if got["seccomp"]:
             step = "seccomp"
@@ -435,6 +480,12 @@ def main() -> None:
         cfg = json.load(f)
     if len(sys.argv) > 2:  # the memfd this script was read from: the program must not inherit it
         os.close(int(sys.argv[2]))
+    # Nothing outlives the harness: killed outright (SIGKILL, or SIGTERM's default action) it cannot stop us,
+    # so the kernel does (I and P follow B: each has the same signal on its parent's death, and the PID
+    # namespace dies with I). A harness gone before this line is caught by the parent check.
+    _c(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+    if os.getppid() != cfg["parent"]:
+        sys.exit(1)
     # Orphans left after I exits come to B to be reaped: the machine's PID 1 may never reap them (and a
     # zombie still counts towards its uid's NPROC).
     _c(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")

@@ -4,6 +4,7 @@ watchdog, killing and reaping. The public surface is in `evalkit.sandbox`."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import importlib.util
 import itertools
@@ -50,9 +51,9 @@ class Pumped:
     stopped: str | None = None  # "timeout" | "output_limit" | "stopped" (on_event asked)
 
 
-def uid_range() -> range:
-    """The per-run uids this process hands out."""
-    base = UID_FLOOR + (os.getpid() % (1 << 19)) * SLOTS
+def uid_range(pid: int | None = None) -> range:
+    """The per-run uids this process (or harness process `pid`) hands out."""
+    base = UID_FLOOR + ((pid or os.getpid()) % (1 << 19)) * SLOTS
     return range(base, base + SLOTS)
 
 
@@ -153,11 +154,36 @@ def _outermost(paths: list[str]) -> list[str]:
     return [p for p in paths if not any(_within(p, o) for o in paths if o != p)]
 
 
+def repositories() -> list[str]:
+    """The git repositories this harness runs from (its packages' and its working dir's): the checkout holds
+    results, journals and data, its .git the bundled solutions in every commit. A worktree's .git is a file
+    naming a dir inside the main repository's .git, which is returned too."""
+    out = set()
+    for start in [*harness_dirs(), os.path.realpath(os.getcwd())]:
+        d = start
+        while d != "/" and not os.path.lexists(os.path.join(d, ".git")):
+            d = os.path.dirname(d)
+        if d == "/":
+            continue
+        out.add(d)
+        dot = os.path.join(d, ".git")
+        if os.path.isfile(dot):
+            with open(dot, encoding="utf-8", errors="replace") as f:
+                gitdir = f.read().removeprefix("gitdir:").strip()
+            common = os.path.realpath(os.path.join(d, gitdir))
+            while common != "/" and os.path.basename(common) != ".git":
+                common = os.path.dirname(common)
+            if common != "/":
+                out.add(common)
+    return sorted(out)
+
+
 def hidden_dirs(keep: list[str]) -> list[tuple[str, list[str]]]:
-    """(dir to overmount, the kept paths inside it) for each of HIDE that exists and holds no kept path
-    whole (nested HIDE entries are hidden with their parent), then each harness package dir, even inside a
-    kept path (a wheel in the venv): last, so that no kept path bound back over a HIDE dir re-exposes it."""
-    dirs = {os.path.realpath(os.path.expanduser(d)) for d in HIDE}
+    """(dir to overmount, the kept paths inside it) for each of HIDE and each repository the harness runs
+    from that exists and holds no kept path whole (nested entries are hidden with their parent), then each
+    harness package dir, even inside a kept path (a wheel in the venv): last, so that no kept path bound back
+    over a hidden dir re-exposes it. The bootstrap skips one that an earlier overmount already hid."""
+    dirs = {os.path.realpath(os.path.expanduser(d)) for d in HIDE} | set(repositories())
     dirs = {d for d in dirs if d != "/" and os.path.isdir(d) and not any(_within(d, k) for k in keep)}
     out = []
     for d in sorted(dirs):
@@ -196,9 +222,31 @@ def make_config(
     }
 
 
+# Run dirs are named RUN_PREFIX<harness pid>-* in the temp dir and locked (flock) by the harness process for
+# the run's life. A harness killed outright (SIGKILL, or SIGTERM's default action) cannot remove its own: the
+# next run sweeps every unlocked one. A dir is created under another name and renamed once locked, so that a
+# sweep never takes a fresh one for a leftover.
+RUN_PREFIX = "evalkit-sbx-"
+_run_locks: dict[str, int] = {}
+
+
+def run_dirs(pid: int | None = None) -> list[str]:
+    """The run dirs in the temp dir: of harness process `pid`, or of any."""
+    tmp = tempfile.gettempdir()
+    names = [n for n in os.listdir(tmp) if n.startswith(RUN_PREFIX)]
+    names = [n for n in names if n[len(RUN_PREFIX) :].split("-")[0] == str(pid or "") or not pid]
+    return [os.path.join(tmp, n) for n in names if n[len(RUN_PREFIX) :].split("-")[0].isdigit()]
+
+
 def prepare_root(files: dict[str, str], uid: int | None) -> str:
     """A fresh run directory: the program files (read-only to the program) and an empty `work/` dir."""
-    root = tempfile.mkdtemp(prefix="evalkit-sbx-")
+    sweep_run_dirs()
+    fresh = tempfile.mkdtemp(prefix=f".{RUN_PREFIX}{os.getpid()}-")
+    lock = os.open(fresh, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    root = os.path.join(os.path.dirname(fresh), os.path.basename(fresh)[1:])
+    os.rename(fresh, root)
+    _run_locks[root] = lock
     os.chmod(root, 0o755)  # the unprivileged program must reach its files
     for name, text in files.items():
         path = os.path.join(root, name)
@@ -211,19 +259,43 @@ def prepare_root(files: dict[str, str], uid: int | None) -> str:
     return root
 
 
+def sweep_run_dirs() -> None:
+    """Remove the run dirs whose harness died (nobody holds their lock)."""
+    for path in run_dirs():
+        if path in _run_locks:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # locked: a live run
+            pass
+        finally:
+            os.close(fd)
+
+
+BOOT_ARGV0 = (
+    "python3"  # B's and I's argv[0]: the program reads /proc/1/cmdline, which must not name host paths
+)
+
+
 def spawn(cfg: dict, cgroup_fd: int | None = None) -> tuple[subprocess.Popen, int, int]:
     """Start the bootstrap in its own session with an empty environment; returns (proc, status_r, events_r).
     Its source and configuration travel on memfds (argv names only their numbers): the program can read
     the cmdline of its init, which must not show host paths or settings."""
     status_r, status_w = os.pipe()
     events_r, events_w = os.pipe()
-    cfg = {**cfg, "status_fd": status_w, "events_fd": events_w, "cgroup_fd": cgroup_fd}
+    cfg = {**cfg, "status_fd": status_w, "events_fd": events_w, "cgroup_fd": cgroup_fd, "parent": os.getpid()}
     boot, conf = _memfd("evalkit-boot", BOOT.read_bytes()), _memfd("evalkit-cfg", json.dumps(cfg).encode())
-    argv = [sys.executable, "-I", "-S", f"/proc/self/fd/{boot}", str(conf), str(boot)]
+    argv = [BOOT_ARGV0, "-I", "-S", f"/proc/self/fd/{boot}", str(conf), str(boot)]
     fds = (status_w, events_w, boot, conf) + ((cgroup_fd,) if cgroup_fd is not None else ())
     try:
         proc = subprocess.Popen(
             argv,
+            executable=sys.executable,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -386,6 +458,9 @@ def reap(proc: subprocess.Popen, kill: bool) -> None:
 
 def cleanup(root: str) -> None:
     shutil.rmtree(root, ignore_errors=True)
+    lock = _run_locks.pop(root, None)
+    if lock is not None:
+        os.close(lock)
 
 
 # --- cgroup v2: one memory.max for the whole program ----------------------------------------------------

@@ -116,6 +116,11 @@ def _checked(workers, timeout_s, memory_mb, allow_unisolated, unknown: dict) -> 
     for name, value, ok, rule in rules:
         if not ok:
             raise ValueError(f"{name} must be {rule}, got {value!r}")
+    if workers is not None and workers > sandbox.max_parallel():  # else grading fails after the generation
+        raise ValueError(
+            f"workers={workers} is more sandboxes than this process can run at once ({sandbox.max_parallel()}, "
+            "from its open-file limit and per-run uids); lower task.setup.workers"
+        )
     return Settings(workers, float(timeout_s), memory_mb, allow_unisolated)
 
 
@@ -124,6 +129,8 @@ def _check_start(s: Settings) -> None:
     every grading after the whole generation): one run of an empty program, no tests."""
     judge = _Judge(Cases([], [], None))
     res = _run_driver("pass", judge.tests, judge, s)
+    if res.status == "sandbox_error":  # the sandbox itself failed: no memory setting would help
+        raise sandbox.SandboxError(f"the sandbox cannot start the grader: {res.error or res.stderr[-300:]}")
     if judge.stage == "start":
         raise ValueError(
             f"the grader cannot start in the sandbox with memory_mb={s.memory_mb} ({res.status}: "
