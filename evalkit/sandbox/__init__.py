@@ -8,16 +8,20 @@ namespace whose root is built from an empty tmpfs holding only what the interpre
 /lib*, the interpreter's prefixes, ld.so.cache, a few device nodes, the run's own dir, the PID namespace's
 /proc) and nothing else of the host (no checkout, results or task data, home, sockets; evalkit's own package
 dirs, where a wheel or system install put them inside a bound prefix, are mounted empty) - or, where that
-cannot be built, the host's file system read-only with /root, $HOME, /tmp, /var/tmp and /run emptied - and a
+cannot be built, the host's file system read-only with /root, $HOME, /tmp, /var/tmp, /run and the harness's
+checkout emptied (refused unless `allow_unisolated`: other repositories and data stay readable) - and a
 per-run unprivileged uid without supplementary groups (as root) or a user namespace (otherwise); a seccomp
-filter that refuses new namespaces (no nested user namespace); the program's total memory capped by a cgroup
-v2 `memory.max` where one is delegated to us, else by refusing fork (seccomp) so that RLIMIT_AS covers its one
-process. Always: setrlimit AS/CPU/FSIZE/NPROC/NOFILE/CORE and no_new_privs. The bootstrap's source and
-settings come on memfds, never on a command line the program could read. `run_program` refuses a machine
-that gives no network namespace, neither a PID namespace nor the uid drop, or no bound on total memory (see
-`missing_isolation`). A timeout, a cap breach or the caller's `on_event` stop kills the whole tree; no
-descendant outlives a run, and every process is reaped, by the sandbox itself (the machine's PID 1 need not
-reap). Upstream LiveCodeBench's `reliability_guard` is not a sandbox; this replaces it. Implementation:
+filter that refuses new namespaces (no nested user namespace) and the kernel keyrings (nothing passes from
+one run to the next); the program's total memory capped by a cgroup v2 `memory.max` where one is delegated
+to us, else by refusing fork (seccomp) so that RLIMIT_AS covers its one process, with the memory that is no
+address space refused or capped (see _boot's seccomp section). Always: setrlimit AS/CPU/FSIZE/NPROC/NOFILE/
+CORE and no_new_privs. The bootstrap's source and settings come on memfds, never on a command line the
+program could read. `run_program` refuses a machine that gives no network namespace, no allow-list view,
+neither a PID namespace nor the uid drop, or no bound on total memory (see `missing_isolation`). A timeout,
+a cap breach or the caller's `on_event` stop kills the whole tree; no descendant outlives a run, and every
+process is reaped, by the sandbox itself (the machine's PID 1 need not reap). Nothing outlives the harness
+either: the bootstrap, its init and the program die with it (parent-death signals), and a run dir it could
+not remove is swept by the next run. Upstream LiveCodeBench's `reliability_guard` is not a sandbox; this replaces it. Implementation:
 `_host.py` (this side), `_boot.py` (the bootstrap inside).
 
 Programs may report progress as JSON lines on fd 3: `run_program(..., on_event=f)` calls `f(event)` for
