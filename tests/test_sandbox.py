@@ -928,8 +928,11 @@ def test_more_workers_than_the_host_can_run_are_refused(monkeypatch):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     n = sandbox.max_parallel()
     assert n <= _host.SLOTS or os.geteuid() != 0
-    with pytest.raises(ValueError, match=f"workers={n + 1} is more sandboxes"):
+    with pytest.raises(ValueError, match=f"workers={n + 1} is more sandboxes.*at most {n}$"):
         grade.configure(workers=n + 1, allow_unisolated=True)
+    monkeypatch.setattr(os, "cpu_count", lambda: n + 7)  # the default, one per CPU, on a bigger machine
+    with pytest.raises(ValueError, match=rf"workers=null \(one per CPU: {n + 7}\) is more sandboxes"):
+        grade.configure(allow_unisolated=True)
 
 
 def test_configure_reports_a_sandbox_failure_as_such(monkeypatch):

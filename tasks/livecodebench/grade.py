@@ -116,10 +116,12 @@ def _checked(workers, timeout_s, memory_mb, allow_unisolated, unknown: dict) -> 
     for name, value, ok, rule in rules:
         if not ok:
             raise ValueError(f"{name} must be {rule}, got {value!r}")
-    if workers is not None and workers > sandbox.max_parallel():  # else grading fails after the generation
+    want, most = workers or os.cpu_count() or 1, sandbox.max_parallel()
+    if want > most:  # else grading fails (too many open files, no free uid) after the whole generation
+        shown = workers if workers is not None else f"null (one per CPU: {want})"
         raise ValueError(
-            f"workers={workers} is more sandboxes than this process can run at once ({sandbox.max_parallel()}, "
-            "from its open-file limit and per-run uids); lower task.setup.workers"
+            f"workers={shown} is more sandboxes than this process can run at once ({most}, from its "
+            f"open-file limit and per-run uids); set task.setup.workers to at most {most}"
         )
     return Settings(workers, float(timeout_s), memory_mb, allow_unisolated)
 
