@@ -232,10 +232,12 @@ _run_locks: dict[str, int] = {}
 
 def run_dirs(pid: int | None = None) -> list[str]:
     """The run dirs in the temp dir: of harness process `pid`, or of any."""
-    tmp = tempfile.gettempdir()
-    names = [n for n in os.listdir(tmp) if n.startswith(RUN_PREFIX)]
-    names = [n for n in names if n[len(RUN_PREFIX) :].split("-")[0] == str(pid or "") or not pid]
-    return [os.path.join(tmp, n) for n in names if n[len(RUN_PREFIX) :].split("-")[0].isdigit()]
+    tmp, out = tempfile.gettempdir(), []
+    for name in os.listdir(tmp):
+        owner = name.removeprefix(RUN_PREFIX).split("-")[0] if name.startswith(RUN_PREFIX) else ""
+        if owner.isdigit() and (pid is None or owner == str(pid)):
+            out.append(os.path.join(tmp, name))
+    return out
 
 
 def prepare_root(files: dict[str, str], uid: int | None) -> str:
@@ -247,15 +249,19 @@ def prepare_root(files: dict[str, str], uid: int | None) -> str:
     root = os.path.join(os.path.dirname(fresh), os.path.basename(fresh)[1:])
     os.rename(fresh, root)
     _run_locks[root] = lock
-    os.chmod(root, 0o755)  # the unprivileged program must reach its files
-    for name, text in files.items():
-        path = os.path.join(root, name)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(path, 0o644)
-    os.mkdir(os.path.join(root, "work"), 0o700)
-    if uid is not None:  # without a mount namespace this dir is the program's cwd as is
-        os.chown(os.path.join(root, "work"), uid, uid)
+    try:
+        os.chmod(root, 0o755)  # the unprivileged program must reach its files
+        for name, text in files.items():
+            path = os.path.join(root, name)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.chmod(path, 0o644)
+        os.mkdir(os.path.join(root, "work"), 0o700)
+        if uid is not None:  # without a mount namespace this dir is the program's cwd as is
+            os.chown(os.path.join(root, "work"), uid, uid)
+    except BaseException:
+        cleanup(root)
+        raise
     return root
 
 
@@ -277,9 +283,9 @@ def sweep_run_dirs() -> None:
             os.close(fd)
 
 
-BOOT_ARGV0 = (
-    "python3"  # B's and I's argv[0]: the program reads /proc/1/cmdline, which must not name host paths
-)
+# B's and I's argv[0]: the program reads /proc/1/cmdline, which must not name host paths (Popen's `executable`
+# says what runs).
+BOOT_ARGV0 = "python3"
 
 
 def spawn(cfg: dict, cgroup_fd: int | None = None) -> tuple[subprocess.Popen, int, int]:
