@@ -948,3 +948,18 @@ def test_configure_reports_a_sandbox_failure_as_such(monkeypatch):
     ) as e:
         grade.configure(workers=1, allow_unisolated=True)
     assert "memory_mb" not in str(e.value)
+
+
+def test_run_cgroups_of_a_dead_harness_are_swept(tmp_path):
+    """A harness killed outright leaves its (empty) run cgroups: the next probe removes those of processes
+    that are gone, never a live harness's, nor one that still holds a process (rmdir refuses it)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    for name in (f"evalkit-sbx-{gone.pid}-0", f"evalkit-sbx-{os.getpid()}-0", "unrelated"):
+        (tmp_path / name).mkdir()
+    (tmp_path / f"evalkit-sbx-{gone.pid}-1").mkdir()
+    (tmp_path / f"evalkit-sbx-{gone.pid}-1" / "cgroup.procs").write_text("")  # not empty: stays
+    _host.sweep_cgroups(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [f"evalkit-sbx-{gone.pid}-1", f"evalkit-sbx-{os.getpid()}-0", "unrelated"]
+    )

@@ -78,6 +78,8 @@ def isolation() -> dict:
                 parent = _host.cgroup_parent()
             except ValueError as e:
                 raise SandboxError(str(e)) from None
+            if parent is not None:
+                _host.sweep_cgroups(parent)
             res, msgs = _run(
                 "pass", "", mode="probe", require=None, timeout_s=30, memory_mb=1024, cgroup_parent=parent
             )

@@ -528,7 +528,7 @@ def own_cgroup() -> str | None:
 def make_cgroup(parent: str, memory_mb: int, nproc: int) -> tuple[str, int]:
     """A fresh run cgroup: memory.max (and no swap), pids.max where the pids controller is on. Returns its
     path and an open fd on its cgroup.procs, for the sandbox's init to join it."""
-    path = os.path.join(parent, f"evalkit-sbx-{os.getpid()}-{next(_cgroup_runs)}")
+    path = os.path.join(parent, f"{RUN_PREFIX}{os.getpid()}-{next(_cgroup_runs)}")
     os.mkdir(path)
     try:
         for name, value in (("memory.max", memory_mb << 20), ("memory.swap.max", 0), ("pids.max", nproc)):
@@ -539,6 +539,26 @@ def make_cgroup(parent: str, memory_mb: int, nproc: int) -> tuple[str, int]:
     except BaseException:
         os.rmdir(path)
         raise
+
+
+def sweep_cgroups(parent: str) -> None:
+    """Remove the empty run cgroups of harness processes that are gone (killed outright, they could not):
+    rmdir refuses a cgroup that still holds a process, and a live harness's are never touched."""
+    for name in os.listdir(parent):
+        owner = name.removeprefix(RUN_PREFIX).split("-")[0] if name.startswith(RUN_PREFIX) else ""
+        if owner.isdigit() and not _alive(int(owner)):
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(parent, name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def remove_cgroup(path: str) -> bool:
