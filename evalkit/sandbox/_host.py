@@ -243,11 +243,17 @@ def run_dirs(pid: int | None = None) -> list[str]:
 def prepare_root(files: dict[str, str], uid: int | None) -> str:
     """A fresh run directory: the program files (read-only to the program) and an empty `work/` dir."""
     sweep_run_dirs()
-    fresh = tempfile.mkdtemp(prefix=f".{RUN_PREFIX}{os.getpid()}-")
-    lock = os.open(fresh, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    fcntl.flock(lock, fcntl.LOCK_EX)
+    fresh, lock = tempfile.mkdtemp(prefix=f".{RUN_PREFIX}{os.getpid()}-"), None
     root = os.path.join(os.path.dirname(fresh), os.path.basename(fresh)[1:])
-    os.rename(fresh, root)
+    try:
+        lock = os.open(fresh, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # EMFILE with too many workers
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        os.rename(fresh, root)
+    except BaseException:
+        if lock is not None:
+            os.close(lock)
+        os.rmdir(fresh)
+        raise
     _run_locks[root] = lock
     try:
         os.chmod(root, 0o755)  # the unprivileged program must reach its files
@@ -463,10 +469,12 @@ def reap(proc: subprocess.Popen, kill: bool) -> None:
 
 
 def cleanup(root: str) -> None:
-    shutil.rmtree(root, ignore_errors=True)
+    """Remove a run dir (unlocked first: out of descriptors, the lock's is the one rmtree needs; one that
+    cannot be removed now is swept by a later run)."""
     lock = _run_locks.pop(root, None)
     if lock is not None:
         os.close(lock)
+    shutil.rmtree(root, ignore_errors=True)
 
 
 # --- cgroup v2: one memory.max for the whole program ----------------------------------------------------
