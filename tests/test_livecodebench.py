@@ -13,8 +13,11 @@ import sys
 import threading
 import time
 import zlib
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from evalkit import sandbox
@@ -181,26 +184,51 @@ def test_extract_code(output, code):
         ("a b\n", "a  b\n", False),  # not identical, not numbers
         ("1  2\n", "1 2\n", True),  # numbers: whitespace-separated tokens
         ("NaN\n", "NaN\n", True),  # identical text wins before Decimal
+        ("YES \nNO", "YES\nNO", True),  # each line stripped, not only the whole text
+        ("YES\n  NO\t\n", "YES\nNO", True),
+        ("YES\n\nNO", "YES\nNO", False),  # an empty line inside counts
     ],
 )
 def test_stdio_equal(out, expected, equal):
     assert grade.stdio_equal(out, expected) is equal
 
 
+# Upstream's functional verdict, testing_util.py `grade_call_based` (LiveCodeBench@28fef95), run in the
+# program's own process:
+#     if isinstance(prediction, tuple):
+#         prediction = list(prediction)
+#     tmp_result = prediction == gt_out          # gt_out = json.loads(output)
+#     ...
+#     if not tmp_result: <-2, Wrong Answer>
+#     except Exception as e: <-4, Runtime Error>
 @pytest.mark.parametrize(
-    ("out", "expected", "equal"),
+    ("prediction", "expected", "verdict"),
     [
-        ("[1, 2]", "[1,2]", True),
-        ("2", "2.0", True),
-        ("true", "1", True),
-        (None, "[1]", False),
-        ('{"1": 2}', '{"1": 2}', True),
-        ("[[1, 2]]", "[[1, 2]]", True),
-        ("1.0000001", "1", False),
+        ([1, 2], "[1,2]", True),
+        (2, "2.0", True),
+        (True, "1", True),
+        (object(), "[1]", False),
+        ({"1": 2}, '{"1": 2}', True),
+        ({1: 2}, '{"1": 2}', False),  # JSON keys are strings
+        ([[1, 2]], "[[1, 2]]", True),
+        (1.0000001, "1", False),
+        ((1, 2), "[1, 2]", True),  # tuples become lists
+        ([(1, 2)], "[[1, 2]]", False),  # only the outer one
+        (Fraction(1, 2), "0.5", True),  # not JSON types: their own `==` decides, as upstream
+        ([Fraction(3, 1), Decimal("0.25")], "[3, 0.25]", True),
+        (Decimal("0.1"), "0.1", False),  # Decimal("0.1") != 0.1 (the float)
+        (np.int64(7), "7", True),
+        (np.array([5]), "[5]", True),  # one element: its truth value is that element's
+        (np.array([1, 3]), "[1, 3]", ValueError),  # `not array` raises: upstream's runtime error
+        (Decimal("sNaN"), "1", InvalidOperation),  # the comparison itself raises
     ],
 )
-def test_call_equal(out, expected, equal):
-    assert grade.call_equal(out, expected) is equal
+def test_call_passed(prediction, expected, verdict):
+    if isinstance(verdict, bool):
+        assert driver.call_passed(prediction, json.loads(expected)) is verdict
+    else:
+        with pytest.raises(verdict):
+            driver.call_passed(prediction, json.loads(expected))
 
 
 @pytest.mark.parametrize(
@@ -401,6 +429,8 @@ STDIN = Cases(["1 2\n", "5 7\n"], ["3\n", "12\n"], None)
         # hostile or odd output is judged, never crashes the grader
         ("input()\nprint('sNaN')", "wrong_answer"),  # a signalling NaN cannot be compared
         ("import os\nos.write(3, b'[' * 100000 + b'\\n')\ninput()", "runtime_error"),  # too deep to decode
+        # a program that swallows the time limit: evalkit's watchdog is outside it (deviations.md, Timeouts)
+        ("import time\ntry:\n    time.sleep(30)\nexcept BaseException:\n    pass\nprint(3)", "timeout"),
     ],
 )
 def test_stdin_semantics(code, outcome):
@@ -584,6 +614,23 @@ CALL = Cases(["[3,1,2]", "[5]"], ["[1, 3]", "[5, 5]"], "extremes")
             'import os\nclass Solution:\n    def extremes(self, nums):\n        os.write(3, b\'{"ev": "test", "i": 0, "out": 5}\\n\')\n        return nums',
             "wrong_answer",
         ),  # forged event
+        # not JSON types, judged by upstream's `==` in the program's process (`call_passed`)
+        (
+            "from fractions import Fraction\nclass Solution:\n    def extremes(self, nums):\n        return [Fraction(min(nums)), Fraction(max(nums), 1)]",
+            "passed",
+        ),
+        (
+            "from decimal import Decimal\nclass Solution:\n    def extremes(self, nums):\n        return (Decimal(min(nums)), Decimal(max(nums)))",
+            "passed",
+        ),
+        (
+            "import numpy as np\nclass Solution:\n    def extremes(self, nums):\n        return np.array([min(nums), max(nums)])",
+            "runtime_error",
+        ),  # `not (array == list)` raises: upstream's -4
+        (
+            "class Solution:\n    def extremes(self, nums):\n        return [min(nums), max(nums) + 1e-9]",
+            "wrong_answer",
+        ),
     ],
 )
 def test_functional_semantics(code, outcome):

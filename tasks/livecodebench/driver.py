@@ -3,13 +3,20 @@ imported by evalkit: stdlib only.
 
 Executes the candidate the way upstream `lcb_runner/evaluation/testing_util.py` (LiveCodeBench@28fef95) does
 in its grading process, and reports on fd 3 (JSON lines): `ready`, then `compiled` or `compile_error`, then
-one `test` event per input with the program's output (`out`) or its exception (`error`). The expected
-outputs never enter the sandbox: the grader compares outside, stops this process at the first failure and
-times each step (upstream's per-test `signal.alarm`).
+one `test` event per input: a stdin program's output (`out`), a functional call's verdict (`passed`), or the
+exception (`error`). The grader stops this process at the first failure and times each step (upstream's
+per-test `signal.alarm`).
 
-stdin carries one JSON header line {"code", "fn_name", "sizes"} and then the tests' inputs as raw UTF-8,
-back to back (`sizes[i]` bytes each). Each input is read when its test starts and decoded once: a 150 MB
-input is never held twice as text.
+Stdin programs' expected outputs never enter the sandbox: the grader compares their output outside. A
+functional call is judged here, in the candidate's process, because upstream's verdict is the program's own
+`prediction == json.loads(expected)` (a Fraction, a Decimal or a numpy array decides it by its own `==`): its
+expected value is read only after the call returned. As upstream, a returned object with an `__eq__` of its
+own is trusted.
+
+stdin carries one JSON header line {"code", "fn_name", "sizes", "expected_sizes"} and then, per test, its
+input and (functional problems only) its expected output as raw UTF-8, back to back (`sizes[i]` and
+`expected_sizes[i]` bytes). Each input is read when its test starts and decoded once: a 150 MB input is
+never held twice as text.
 """
 
 import ast
@@ -241,23 +248,14 @@ def run_stdin_test(fn, text: str, data: bytes | None) -> str:
 # --- functional (LeetCode) programs ---------------------------------------------------------------------
 
 
-def to_json(value) -> str | None:
-    """The call's result as JSON text for the grader, or None when JSON cannot carry it faithfully (then it
-    cannot equal the JSON-decoded expected value either, and upstream's `==` would fail too). Tuples become
-    lists first (upstream), numpy scalars plain numbers (numpy's `==` with a number holds)."""
-    if isinstance(value, tuple):
-        value = list(value)
-
-    def scalar(o):
-        if type(o).__module__ == "numpy" and getattr(o, "ndim", None) == 0:
-            return o.item()
-        raise TypeError(type(o).__name__)
-
-    try:
-        text = json.dumps(value, default=scalar)
-        return text if json.loads(text) == value else None
-    except (TypeError, ValueError, RecursionError):
-        return None
+def call_passed(prediction, expected) -> bool:
+    """Upstream's functional verdict (`grade_call_based`): tuples become lists, then
+    `tmp_result = prediction == gt_out; if not tmp_result: <wrong answer>`. Whatever that raises (a numpy
+    array of several elements has no truth value; a signalling Decimal NaN cannot be compared) is the test's
+    error, as upstream's `except Exception` makes it a runtime error (-4)."""
+    if isinstance(prediction, tuple):
+        prediction = list(prediction)
+    return bool(prediction == expected)
 
 
 # --- main -----------------------------------------------------------------------------------------------
@@ -286,18 +284,20 @@ def read_input(job, size: int) -> tuple[str, bytes | None]:
         return data.decode("utf-8", "surrogatepass"), None
 
 
-def run_tests(fn, job, fn_name: str | None, sizes: list[int]) -> None:
-    for i, size in enumerate(sizes):
+def run_tests(fn, job, header: dict) -> None:
+    for i, size in enumerate(header["sizes"]):
         try:
             text, data = read_input(job, size)
-            if fn_name is not None:
-                out = to_json(fn(*[json.loads(line) for line in text.split("\n")]))
+            if header["fn_name"] is None:
+                event = {"out": run_stdin_test(fn, text, data)}
             else:
-                out = run_stdin_test(fn, text, data)
+                prediction = fn(*[json.loads(line) for line in text.split("\n")])
+                expected = json.loads(read_input(job, header["expected_sizes"][i])[0])  # after the call only
+                event = {"passed": call_passed(prediction, expected)}
         except BaseException as e:  # noqa: BLE001 - SystemExit/KeyboardInterrupt of a functional call too
             emit(ev="test", i=i, error=repr(e)[:1000])
             return
-        emit(ev="test", i=i, out=out)
+        emit(ev="test", i=i, **event)
 
 
 def main() -> None:
@@ -315,7 +315,7 @@ def main() -> None:
         emit(ev="compile_error", error=repr(e)[:1000])
         return
     emit(ev="compiled")
-    run_tests(fn, job, header["fn_name"], header["sizes"])
+    run_tests(fn, job, header)
 
 
 if __name__ == "__main__":

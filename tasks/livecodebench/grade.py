@@ -1,5 +1,6 @@
 """Grading LiveCodeBench programs: upstream's extraction and comparison rules (`lcb_runner`, pinned in the
-task docstring), the programs run by `driver.py` in `evalkit.sandbox`, expected outputs compared out here.
+task docstring), the programs run by `driver.py` in `evalkit.sandbox`; a stdin program's output is compared
+out here, a functional call is judged by upstream's `==` in the program's own process (`driver.call_passed`).
 
 The sandbox settings live in this module, not in the task module, because lm-eval exec's the task module
 from its path as a second copy: `configure()` and every `score()` meet here, in the one imported copy.
@@ -45,9 +46,14 @@ class Cases:
 
     @functools.cached_property
     def encoded(self) -> list[bytes]:
-        """The inputs as the driver reads them, encoded once and shared by every run on these tests (lone
-        surrogates, which JSON allows, pass through and reach the driver as they were)."""
-        return [text.encode("utf-8", "surrogatepass") for text in self.inputs]
+        """What the driver reads, encoded once and shared by every run on these tests: each input, followed
+        (functional problems only) by its expected output, which the driver reads after the call returned.
+        Lone surrogates, which JSON allows, pass through and reach the driver as they were."""
+        inputs = [text.encode("utf-8", "surrogatepass") for text in self.inputs]
+        if self.fn_name is None:  # a stdin program's expected output is compared here, never sent
+            return inputs
+        outputs = [text.encode("utf-8", "surrogatepass") for text in self.outputs]
+        return [b for pair in zip(inputs, outputs) for b in pair]
 
 
 @dataclass(frozen=True)
@@ -167,16 +173,6 @@ def stdio_equal(output: str, expected: str) -> bool:
     return True
 
 
-def call_equal(output_json: str | None, expected_json: str) -> bool:
-    """Upstream's functional comparison `result == json.loads(expected)` (tuples already made lists); the
-    driver sends the result as JSON, or None when JSON cannot carry it (then it never equals). The output
-    comes from the sandbox (the candidate shares the driver's event pipe): anything undecodable is unequal."""
-    try:
-        return output_json is not None and json.loads(output_json) == json.loads(expected_json)
-    except (TypeError, ValueError, RecursionError):
-        return False
-
-
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k for c correct out of n samples: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021)."""
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
@@ -208,10 +204,11 @@ class _Judge:
         return self._end("runtime_error")  # an unexpected event: the candidate wrote to the driver's pipe
 
     def _test(self, ev: dict) -> bool:
-        i, t, out = self.next, self.tests, ev.get("out")
+        i, t = self.next, self.tests
         if "error" in ev:
             return self._end("runtime_error")
-        ok = call_equal(out, t.outputs[i]) if t.fn_name else stdio_equal(str(out), t.outputs[i])
+        # functional: the driver's verdict, upstream's `==` in the program's own process (driver.call_passed)
+        ok = ev.get("passed") is True if t.fn_name else stdio_equal(str(ev.get("out")), t.outputs[i])
         if not ok:
             return self._end("wrong_answer")
         self.next += 1
@@ -234,9 +231,12 @@ _UNJUDGED = {
 
 
 def _run_driver(code: str, tests: Cases, judge: _Judge, s: Settings) -> sandbox.RunResult:
-    """One sandboxed driver run: a JSON header line, then the raw inputs (streamed, never joined)."""
-    sizes = [len(b) for b in tests.encoded]
-    header = json.dumps({"code": code, "fn_name": tests.fn_name, "sizes": sizes}).encode() + b"\n"
+    """One sandboxed driver run: a JSON header line, then the raw inputs (and a functional problem's expected
+    outputs) streamed, never joined."""
+    lengths = [len(b) for b in tests.encoded]
+    sizes, expected = (lengths, []) if tests.fn_name is None else (lengths[0::2], lengths[1::2])
+    fields = {"code": code, "fn_name": tests.fn_name, "sizes": sizes, "expected_sizes": expected}
+    header = json.dumps(fields).encode() + b"\n"
     return sandbox.run_program(
         DRIVER,
         [header, *tests.encoded],

@@ -36,7 +36,8 @@ from tasks.livecodebench.grade import OUTCOMES, Cases, configure, extract_code, 
 
 TASK = "livecodebench"
 VERSION = 1  # what is generated: bump when this task's prompt or data handling changes
-SCORER_VERSION = 2  # how it is graded (2: upstream's stdin patches, guard and argv; whole-program memory cap)
+SCORER_VERSION = 3  # how it is graded (2: upstream's stdin patches, guard and argv; whole-program memory cap;
+# 3: functional answers judged by upstream's `==` in the program's process)
 REPO = "livecodebench/code_generation_lite"
 # Not checked against the hub from here (unreachable): the dataset revision public LiveCodeBench pins record
 # (e.g. beside lcb_runner@28fef95 and test6.jsonl, 175 problems).
