@@ -533,24 +533,19 @@ def test_stdin_forms_as_upstream(bracket_tests):
 UPSTREAM_ENV = "EVALKIT_LCB_UPSTREAM"  # a LiveCodeBench checkout at 28fef95 (never part of evalkit)
 
 
-@pytest.mark.slow
-def test_stdin_forms_side_by_side_with_upstream(bracket_tests, tmp_path):
-    """Runs upstream's own `evaluate_generations` (as the published runs did: a worker pool, one process per
-    program, the documented argv, stdin from /dev/null) on FORMS and checks the upstream column."""
+def upstream_results(tests: Cases, codes: list[str], tmp_path) -> list[list]:
+    """Upstream's `evaluate_generations` on `codes` (as the published runs did: a worker pool, one process
+    per program, the documented argv, stdin from /dev/null): each program's per-test results."""
     checkout = os.environ.get(UPSTREAM_ENV)
     if not checkout:
         pytest.skip(f"set {UPSTREAM_ENV} to a LiveCodeBench checkout at 28fef95")
-    job = {
-        "inputs": bracket_tests.inputs,
-        "outputs": bracket_tests.outputs,
-        "codes": [SOLVE + c for _, c, _, _ in FORMS],
-    }
+    job = {"inputs": tests.inputs, "outputs": tests.outputs, "fn_name": tests.fn_name, "codes": codes}
     (tmp_path / "job.json").write_text(json.dumps(job))
     script = (
         "import json, sys\nsys.path.insert(0, sys.argv[1])\n"
         "from lcb_runner.evaluation.compute_code_generation_metrics import evaluate_generations\n"
         "job = json.load(open(sys.argv[2]))\n"
-        "sample = {'input_output': json.dumps({'inputs': job['inputs'], 'outputs': job['outputs'], 'fn_name': None})}\n"
+        "sample = {'input_output': json.dumps({k: job[k] for k in ('inputs', 'outputs', 'fn_name')})}\n"
         f"sys.argv = {driver.ARGV!r}\n"
         "res, _ = evaluate_generations([sample], [job['codes']], num_process_evaluate=2, timeout=6)\n"
         "print(json.dumps(res[0]))\n"
@@ -563,7 +558,13 @@ def test_stdin_forms_side_by_side_with_upstream(bracket_tests, tmp_path):
         check=True,
         cwd=checkout,
     ).stdout
-    results = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_stdin_forms_side_by_side_with_upstream(bracket_tests, tmp_path):
+    """Upstream's own `evaluate_generations` on FORMS checks the upstream column."""
+    results = upstream_results(bracket_tests, [SOLVE + c for _, c, _, _ in FORMS], tmp_path)
     assert [True if all(x is True for x in r) else r[-1] for r in results] == [u for _, _, u, _ in FORMS]
 
 
@@ -614,27 +615,38 @@ CALL = Cases(["[3,1,2]", "[5]"], ["[1, 3]", "[5, 5]"], "extremes")
             'import os\nclass Solution:\n    def extremes(self, nums):\n        os.write(3, b\'{"ev": "test", "i": 0, "out": 5}\\n\')\n        return nums',
             "wrong_answer",
         ),  # forged event
-        # not JSON types, judged by upstream's `==` in the program's process (`call_passed`)
-        (
-            "from fractions import Fraction\nclass Solution:\n    def extremes(self, nums):\n        return [Fraction(min(nums)), Fraction(max(nums), 1)]",
-            "passed",
-        ),
-        (
-            "from decimal import Decimal\nclass Solution:\n    def extremes(self, nums):\n        return (Decimal(min(nums)), Decimal(max(nums)))",
-            "passed",
-        ),
-        (
-            "import numpy as np\nclass Solution:\n    def extremes(self, nums):\n        return np.array([min(nums), max(nums)])",
-            "runtime_error",
-        ),  # `not (array == list)` raises: upstream's -4
-        (
-            "class Solution:\n    def extremes(self, nums):\n        return [min(nums), max(nums) + 1e-9]",
-            "wrong_answer",
-        ),
     ],
 )
 def test_functional_semantics(code, outcome):
     assert grade.grade(code, CALL).outcome == outcome
+
+
+# Answers that are not JSON types: upstream judges `prediction == json.loads(expected)` in the program's
+# process (`call_passed`). (name, program, upstream's result from `evaluate_generations`, evalkit's outcome);
+# `test_non_json_answers_side_by_side_with_upstream` reproduces the upstream column (measured: Fraction and
+# Decimal [True, True]; the numpy array [True, -4], its `==` an array whose truth value raises ValueError).
+NON_JSON = [
+    ("Fraction", "from fractions import Fraction\nclass Solution:\n    def extremes(self, nums):\n        return [Fraction(min(nums)), Fraction(max(nums), 1)]", True, "passed"),
+    ("Decimal tuple", "from decimal import Decimal\nclass Solution:\n    def extremes(self, nums):\n        return (Decimal(min(nums)), Decimal(max(nums)))", True, "passed"),
+    ("numpy array", "import numpy as np\nclass Solution:\n    def extremes(self, nums):\n        return np.array([min(nums), max(nums)])", -4, "runtime_error"),
+    ("float off by 1e-9", "class Solution:\n    def extremes(self, nums):\n        return [min(nums), max(nums) + 1e-9]", False, "wrong_answer"),
+    ("object()", "class Solution:\n    def extremes(self, nums):\n        return object()", False, "wrong_answer"),
+]  # fmt: skip
+
+
+def test_non_json_answers_as_upstream():
+    graded = grade.grade_many([(code, CALL) for _, code, _, _ in NON_JSON])
+    assert {name: g.outcome for (name, *_), g in zip(NON_JSON, graded)} == {n: o for n, _, _, o in NON_JSON}
+    kinds = {True: {"passed"}, False: {"wrong_answer"}, -4: {"runtime_error"}}
+    assert all(outcome in kinds[upstream] for _, _, upstream, outcome in NON_JSON)
+
+
+@pytest.mark.slow
+def test_non_json_answers_side_by_side_with_upstream(tmp_path):
+    """Upstream's own `evaluate_generations` on NON_JSON: its verdict per program (True when every test
+    passed, else the last test's code: -2 wrong, -4 error; a plain wrong answer records False)."""
+    results = upstream_results(CALL, [code for _, code, _, _ in NON_JSON], tmp_path)
+    assert [True if all(x is True for x in r) else r[-1] for r in results] == [u for _, _, u, _ in NON_JSON]
 
 
 def test_refuses_without_isolation(monkeypatch):
