@@ -610,7 +610,7 @@ CALL = Cases(["[3,1,2]", "[5]"], ["[1, 3]", "[5, 5]"], "extremes")
         (
             "class Solution:\n    def extremes(self, nums):\n        x = []\n        for _ in range(5000):\n            x = [x]\n        return x",
             "wrong_answer",
-        ),  # nested too deep for the host's decoder
+        ),  # nested 5000 deep: `[x] == [1, 3]` is False, as upstream
         (
             'import os\nclass Solution:\n    def extremes(self, nums):\n        os.write(3, b\'{"ev": "test", "i": 0, "out": 5}\\n\')\n        return nums',
             "wrong_answer",
