@@ -111,7 +111,9 @@ def judge_text(text: str, gold: str):
     """lighteval's reading of a whole response (`pass_at_k_math`: PassAtK(strip_strings=True) over
     MultilingualExtractiveMatchMetric with the same targets, precision 6, first_match fallback, any_match
     extraction: math-verify's `parse`/`verify` defaults): whatever its extraction finds anywhere in the
-    stripped text, thinking included. Reported beside the headline, never in it."""
+    stripped text, thinking included, i.e. lighteval run with its reasoning tags kept
+    (`remove_reasoning_tags=False`; its current default cuts `<think>...</think>` first). Reported beside
+    the headline, never in it."""
     return _judge(text.strip(), gold)
 
 
