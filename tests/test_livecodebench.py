@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import zlib
+from collections import Counter, OrderedDict, defaultdict
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 
 from evalkit import sandbox
 from evalkit.sample import render, render_sample
-from tasks.livecodebench import driver, grade
+from tasks.livecodebench import compare, driver, grade
 from tasks.livecodebench import livecodebench as lcb
 from tasks.livecodebench import livecodebench_r1 as r1
 from tasks.livecodebench.grade import Cases
@@ -148,7 +149,7 @@ def test_r1_window_and_versions(tmp_path):
     path.write_text("".join(json.dumps(row(f"q{i}", contest_date=d)) + "\n" for i, d in enumerate(dates)))
     got = r1.load(str(path), **window)
     assert [s.id for s in got.samples] == ["q1", "q2"] and got.stats["outside_window"] == 2
-    assert (r1.VERSION, lcb.VERSION, r1.SCORER_VERSION, lcb.SCORER_VERSION) == (2, 1, 3, 3)
+    assert (r1.VERSION, lcb.VERSION, r1.SCORER_VERSION, lcb.SCORER_VERSION) == (2, 1, 4, 4)
 
 
 # --- extraction, comparison, pass@k ----------------------------------------------------------------------------
@@ -193,8 +194,8 @@ def test_stdio_equal(out, expected, equal):
     assert grade.stdio_equal(out, expected) is equal
 
 
-# Upstream's functional verdict, testing_util.py `grade_call_based` (LiveCodeBench@28fef95), run in the
-# program's own process:
+# Upstream's functional verdict, testing_util.py `grade_call_based` (LiveCodeBench@28fef95), run in its
+# grading process (evalkit: `compare.call_passed`, in the comparator's sandbox):
 #     if isinstance(prediction, tuple):
 #         prediction = list(prediction)
 #     tmp_result = prediction == gt_out          # gt_out = json.loads(output)
@@ -225,10 +226,101 @@ def test_stdio_equal(out, expected, equal):
 )
 def test_call_passed(prediction, expected, verdict):
     if isinstance(verdict, bool):
-        assert driver.call_passed(prediction, json.loads(expected)) is verdict
+        assert compare.call_passed(prediction, json.loads(expected)) is verdict
     else:
         with pytest.raises(verdict):
-            driver.call_passed(prediction, json.loads(expected))
+            compare.call_passed(prediction, json.loads(expected))
+
+
+@pytest.fixture
+def upstream_int_limit():
+    """Upstream's grading process (and evalkit's driver) allows integers of up to 50000 digits."""
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(50000)
+    yield
+    sys.set_int_max_str_digits(before)
+
+
+def anything_equal():
+    class Anything:  # a class of the program's own: its module cannot be loaded by the comparator
+        def __eq__(self, other):
+            return True
+
+    return Anything()
+
+
+# The same answers on evalkit's path: the driver reports the value (`driver.report_call`: JSON text when it is
+# made of JSON types only, else its pickle), the host compares JSON values, the comparator the rest. Each
+# verdict is upstream's (`call_passed` above, Python's `==` on the value itself), except a class of the
+# program's own (deviations.md: graded wrong).
+@pytest.mark.parametrize(
+    ("prediction", "expected", "path", "outcome"),
+    [
+        ([1, 2], "[1,2]", "json", None),
+        (2, "2.0", "json", None),
+        (True, "1", "json", None),  # True == 1 in Python: not JSON-text equality
+        (1, "true", "json", None),
+        (False, "0.0", "json", None),
+        (0.1 + 0.2, "0.30000000000000004", "json", None),  # floats round-trip by repr
+        (0.1 + 0.2, "0.3", "json", "wrong_answer"),
+        (-0.0, "0", "json", None),
+        (float("inf"), "Infinity", "json", None),
+        (float("nan"), "NaN", "json", "wrong_answer"),  # nan != nan
+        ([float("nan")], "[NaN]", "json", "wrong_answer"),  # two objects: no identity shortcut upstream
+        ({"1": 2}, '{"1": 2}', "json", None),
+        ({1: 2}, '{"1": 2}', "pickle", "wrong_answer"),  # JSON keys are strings
+        ("\ud800", '"\\ud800"', "json", None),  # a lone surrogate
+        ([[1, 2]], "[[1, 2]]", "json", None),
+        (1.0000001, "1", "json", "wrong_answer"),
+        ((1, 2), "[1, 2]", "json", None),  # tuples become lists
+        ([(1, 2)], "[[1, 2]]", "pickle", "wrong_answer"),  # only the outer one
+        (10**5000, "1" + "0" * 5000, "json", None),  # beyond this process's 4300 digits
+        (10**60000, "1", "pickle", "wrong_answer"),  # beyond 50000 digits: no JSON text
+        (Fraction(1, 2), "0.5", "pickle", None),
+        ([Fraction(3, 1), Decimal("0.25")], "[3, 0.25]", "pickle", None),
+        (Decimal("0.1"), "0.1", "pickle", "wrong_answer"),
+        (np.int64(7), "7", "pickle", None),
+        (np.float64(0.5), "0.5", "pickle", None),
+        (np.array([5]), "[5]", "pickle", None),
+        (np.array([1, 3]), "[1, 3]", "pickle", "runtime_error"),  # `not array` raises
+        (Decimal("sNaN"), "1", "pickle", "runtime_error"),
+        (complex(2, 0), "2", "pickle", None),
+        (Counter(a=1), '{"a": 1}', "pickle", None),
+        (OrderedDict(a=1), '{"a": 1}', "pickle", None),
+        (defaultdict(lambda: 0, a=1), '{"a": 1}', "pickle", None),  # its lambda plays no part in `==`
+        (object(), "[1]", "pickle", "wrong_answer"),
+        (anything_equal(), "[1]", "unpicklable", "wrong_answer"),  # upstream: passed (deviations.md)
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, int) else None,  # str() of 10**5000 raises
+)
+def test_functional_answer_paths(prediction, expected, path, outcome, upstream_int_limit):
+    report = driver.report_call(prediction)
+    assert list(report) == [path]
+    assert grade.call_failure(report, expected, grade._settings) == outcome
+
+
+def test_deep_json_values_go_to_the_comparator():
+    """Past JSON_DEPTH the host's recursion limit could differ from upstream's 50000: pickled instead."""
+    value = [1]
+    for _ in range(driver.JSON_DEPTH):
+        value = [value]
+    assert list(driver.report_call(value[0])) == ["json"] and list(driver.report_call(value)) == ["pickle"]
+    assert grade.call_failure(driver.report_call(value), json.dumps(value), grade._settings) is None
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pickle.dumps(eval),  # builtins.eval: a global outside ALLOWED
+        b"cos\nsystem\n(S'true'\ntR.",  # os.system('true'), protocol 0
+        pickle.dumps(Path("x")),
+        b"not a pickle",
+    ],
+)
+def test_comparator_admits_only_stdlib_and_numpy_types(payload):
+    with pytest.raises(compare.Refused):
+        compare.unpickle(payload)
+    assert compare.unpickle(pickle.dumps([Fraction(1, 3), np.array([1.5]), Decimal(2)]))[0] == Fraction(1, 3)
 
 
 @pytest.mark.parametrize(
@@ -621,16 +713,77 @@ def test_functional_semantics(code, outcome):
     assert grade.grade(code, CALL).outcome == outcome
 
 
-# Answers that are not JSON types: upstream judges `prediction == json.loads(expected)` in the program's
-# process (`call_passed`). (name, program, upstream's result from `evaluate_generations`, evalkit's outcome);
-# `test_non_json_answers_side_by_side_with_upstream` reproduces the upstream column (measured: Fraction and
-# Decimal [True, True]; the numpy array [True, -4], its `==` an array whose truth value raises ValueError).
+# Hostile functional programs: each would pass were expected outputs or verdicts inside the program's process
+# (the first two did, when the driver judged `==` there; the last two pass upstream, which trusts the
+# answer's `__eq__`). None may pass: generated code is untrusted.
+HOSTILE = [
+    (
+        "forged verdicts on the event pipe",
+        "import os\nclass Solution:\n    def extremes(self, nums):\n"
+        '        os.write(3, b\'{"ev": "test", "i": 0, "passed": true}\\n\'\n'
+        '                    b\'{"ev": "test", "i": 1, "passed": true}\\n\')',
+        "wrong_answer",
+    ),
+    (  # finds the driver's stream and header in its frames, reads ahead and hands the driver back its bytes
+        "expected outputs read from the driver's stream",
+        "import io, json, sys\nclass Solution:\n    def extremes(self, nums):\n"
+        "        f = sys._getframe(1)\n        while 'job' not in f.f_locals:\n            f = f.f_back\n"
+        "        job, header, i = f.f_locals['job'], f.f_locals['header'], f.f_locals['i']\n"
+        "        main = sys.modules['__main__']\n        if i == 0:\n"
+        "            main.stolen = io.BytesIO(job.read())\n            real = main.read_input\n"
+        "            main.read_input = lambda _job, size: real(main.stolen, size)\n"
+        "        pos = main.stolen.tell()\n"
+        "        value = json.loads(main.stolen.read(header.get('expected_sizes', header['sizes'])[i]))\n"
+        "        main.stolen.seek(pos)\n        return value",
+        "wrong_answer",  # all it finds is the next input, [5]
+    ),
+    (
+        "an answer whose __eq__ always holds",
+        "class Anything:\n    def __eq__(self, other):\n        return True\n"
+        "class Solution:\n    def extremes(self, nums):\n        return Anything()",
+        "wrong_answer",  # its class cannot be pickled (upstream: passed)
+    ),
+    (
+        "a pickle that builds such an answer in the comparator",
+        "class Sneaky:\n    def __reduce__(self):\n"
+        "        return eval, (\"type('A', (), {'__eq__': lambda s, o: True})()\",)\n"
+        "class Solution:\n    def extremes(self, nums):\n        return Sneaky()",
+        "wrong_answer",  # builtins.eval is refused
+    ),
+    (
+        "a JSON answer forged on the event pipe",
+        "import os\nclass Solution:\n    def extremes(self, nums):\n"
+        '        os.write(3, b\'{"ev": "test", "i": 0, "json": "[1, 3]"}\\n\')\n        return nums',
+        "runtime_error",  # only as good as returning [1, 3]; the driver's own event is then unexpected
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "code", "outcome"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_functional_programs_never_pass(name, code, outcome):
+    assert grade.grade(code, CALL).outcome == outcome
+
+
+def test_json_answers_need_no_comparator(monkeypatch):
+    """The extra sandboxed process runs only for answers that are not JSON values."""
+    monkeypatch.setattr(grade, "compare_pickled", lambda *a: pytest.fail("comparator ran"))
+    code = "class Solution:\n    def extremes(self, nums):\n        return min(nums), max(nums)"
+    assert grade.grade(code, CALL).outcome == "passed"
+
+
+# Answers that are not JSON types: upstream judges `prediction == json.loads(expected)` in its grading process,
+# evalkit in the comparator's sandbox (`compare.call_passed`). (name, program, upstream's result from
+# `evaluate_generations`, evalkit's outcome); `test_non_json_answers_side_by_side_with_upstream` reproduces the
+# upstream column (measured: Fraction and Decimal [True, True]; the numpy array [True, -4], its `==` an array
+# whose truth value raises ValueError; complex [True, True]; the computed NaN [False]).
 NON_JSON = [
     ("Fraction", "from fractions import Fraction\nclass Solution:\n    def extremes(self, nums):\n        return [Fraction(min(nums)), Fraction(max(nums), 1)]", True, "passed"),
     ("Decimal tuple", "from decimal import Decimal\nclass Solution:\n    def extremes(self, nums):\n        return (Decimal(min(nums)), Decimal(max(nums)))", True, "passed"),
     ("numpy array", "import numpy as np\nclass Solution:\n    def extremes(self, nums):\n        return np.array([min(nums), max(nums)])", -4, "runtime_error"),
     ("float off by 1e-9", "class Solution:\n    def extremes(self, nums):\n        return [min(nums), max(nums) + 1e-9]", False, "wrong_answer"),
     ("object()", "class Solution:\n    def extremes(self, nums):\n        return object()", False, "wrong_answer"),
+    ("complex", "class Solution:\n    def extremes(self, nums):\n        return [complex(min(nums), 0), max(nums)]", True, "passed"),
+    ("computed NaN", "class Solution:\n    def extremes(self, nums):\n        return [float('nan'), max(nums)]", False, "wrong_answer"),
 ]  # fmt: skip
 
 

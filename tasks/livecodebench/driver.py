@@ -3,29 +3,31 @@ imported by evalkit: stdlib only.
 
 Executes the candidate the way upstream `lcb_runner/evaluation/testing_util.py` (LiveCodeBench@28fef95) does
 in its grading process, and reports on fd 3 (JSON lines): `ready`, then `compiled` or `compile_error`, then
-one `test` event per input: a stdin program's output (`out`), a functional call's verdict (`passed`), or the
-exception (`error`). The grader stops this process at the first failure and times each step (upstream's
+one `test` event per input: a stdin program's output (`out`), a functional call's return value (`json`: its
+JSON text when it is made of JSON types only; else `pickle`: base64 of its pickle, or `unpicklable`), or
+the exception (`error`). The grader stops this process at the first failure and times each step (upstream's
 per-test `signal.alarm`).
 
-Stdin programs' expected outputs never enter the sandbox: the grader compares their output outside. A
-functional call is judged here, in the candidate's process, because upstream's verdict is the program's own
-`prediction == json.loads(expected)` (a Fraction, a Decimal or a numpy array decides it by its own `==`): its
-expected value is read only after the call returned. As upstream, a returned object with an `__eq__` of its
-own is trusted.
+No expected output ever enters this process: the candidate shares it (and could read the driver's stream or
+write to its event pipe). The grader compares outside: stdin outputs and JSON values on the host, other
+values (a Fraction, a Decimal, numpy) by upstream's `prediction == json.loads(expected)` in a fresh
+sandboxed process (`compare.py`) that unpickles only stdlib and numpy types.
 
-stdin carries one JSON header line {"code", "fn_name", "sizes", "expected_sizes"} and then, per test, its
-input and (functional problems only) its expected output as raw UTF-8, back to back (`sizes[i]` and
-`expected_sizes[i]` bytes). Each input is read when its test starts and decoded once: a 150 MB input is
-never held twice as text.
+stdin carries one JSON header line {"code", "fn_name", "sizes"} and then the tests' inputs as raw UTF-8,
+back to back (`sizes[i]` bytes each). Each input is read when its test starts and decoded once: a 150 MB
+input is never held twice as text.
 """
 
 import ast
+import base64
+import collections
 import contextlib
 import importlib.util
 import json
 import os
+import pickle
 import sys
-from io import StringIO
+from io import BytesIO, StringIO
 from types import ModuleType
 from unittest.mock import mock_open, patch
 
@@ -248,14 +250,49 @@ def run_stdin_test(fn, text: str, data: bytes | None) -> str:
 # --- functional (LeetCode) programs ---------------------------------------------------------------------
 
 
-def call_passed(prediction, expected) -> bool:
-    """Upstream's functional verdict (`grade_call_based`): tuples become lists, then
-    `tmp_result = prediction == gt_out; if not tmp_result: <wrong answer>`. Whatever that raises (a numpy
-    array of several elements has no truth value; a signalling Decimal NaN cannot be compared) is the test's
-    error, as upstream's `except Exception` makes it a runtime error (-4)."""
+JSON_DEPTH = 100  # deeper values go to the comparator, whose recursion limit is upstream's 50000
+SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def plain(value, depth: int = 0) -> bool:
+    """Whether `value` is made of JSON types only (exactly: no subclasses, str keys), checked without running
+    any of the candidate's code. Its JSON text then decodes to an equal value, and upstream's `==` on such
+    values is the host's `==` on the decoded ones."""
+    kind = type(value)
+    if kind in SCALARS:
+        return True
+    if depth >= JSON_DEPTH:
+        return False
+    if kind is list:
+        return all(type(v) in SCALARS or plain(v, depth + 1) for v in value)
+    if kind is dict:
+        return all(type(k) is str and (type(v) in SCALARS or plain(v, depth + 1)) for k, v in value.items())
+    return False
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        if type(obj) is collections.defaultdict:  # its factory (often a lambda) plays no part in `==`
+            return collections.defaultdict, (), None, None, iter(obj.items())
+        return NotImplemented
+
+
+def report_call(prediction) -> dict:
+    """The call's return value for the grader, tuples made lists first (upstream): its JSON text, else its
+    pickle (protocol 4), else why it cannot be pickled (a class of the program's own: graded wrong)."""
     if isinstance(prediction, tuple):
         prediction = list(prediction)
-    return bool(prediction == expected)
+    if plain(prediction):
+        try:
+            return {"json": json.dumps(prediction)}
+        except ValueError:  # an int beyond upstream's 50000 digits: pickled instead
+            pass
+    buf = BytesIO()
+    try:
+        _Pickler(buf, protocol=4).dump(prediction)
+    except BaseException as e:  # noqa: BLE001 - the candidate's __reduce__ may raise anything
+        return {"unpicklable": repr(e)[:1000]}
+    return {"pickle": base64.b64encode(buf.getvalue()).decode()}
 
 
 # --- main -----------------------------------------------------------------------------------------------
@@ -291,9 +328,7 @@ def run_tests(fn, job, header: dict) -> None:
             if header["fn_name"] is None:
                 event = {"out": run_stdin_test(fn, text, data)}
             else:
-                prediction = fn(*[json.loads(line) for line in text.split("\n")])
-                expected = json.loads(read_input(job, header["expected_sizes"][i])[0])  # after the call only
-                event = {"passed": call_passed(prediction, expected)}
+                event = report_call(fn(*[json.loads(line) for line in text.split("\n")]))
         except BaseException as e:  # noqa: BLE001 - SystemExit/KeyboardInterrupt of a functional call too
             emit(ev="test", i=i, error=repr(e)[:1000])
             return
