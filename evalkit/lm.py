@@ -120,9 +120,11 @@ def request_prompt(req, key: str, tokenizer, limit: int, cap) -> Prompt:
 
 
 def followup_prompt(p: Prompt, first: str, tokenizer, cap) -> Prompt:
-    """The second call of a two-call protocol (LongBench CoT), made from the first call's output."""
+    """The second call of a two-call protocol (LongBench CoT), made from the first call's output as the model
+    produced it (pred.py passes the completion): without the `<think>\n` that finish_text put back."""
     module, name = p.followup.split(":")
-    s = getattr(importlib.import_module(module), name)(p.sample, first)
+    produced = first.removeprefix("<think>\n") if p.text.endswith("<think>\n") else first
+    s = getattr(importlib.import_module(module), name)(p.sample, produced)
     return Prompt(p.key, sample_prompt(tokenizer, s), cap(s.max_new_tokens), p.gen, s)
 
 

@@ -113,6 +113,8 @@ def test_box_deviations_from_qwen_math_are_deliberate(response, qwen, evalkit):
         ("<think>maybe \\boxed{5}</think> final: \\boxed{7}", "7", (True, "boxed")),  # thinking is ignored
         ("<think>maybe \\boxed{5}</think> final: \\boxed{7}", "5", (False, "boxed")),
         ("<think>a</think> x <think>b</think> \\boxed{8}", "8", (True, "boxed")),  # after the LAST </think>
+        ("<think>a</think> \\boxed{5} <think>b</think> final", "5", (False, "no_box")),  # not after the first
+        ("<think>a</think> \\boxed{5} <think>b</think> \\boxed{6}", "6", (True, "boxed")),
         ("\\boxed{033}", "33", (True, "boxed")),  # leading zeros
         ("\\boxed{\\text{204}}", "204", (True, "boxed")),
         ("\\fbox{ 25 }", "25", (True, "boxed")),
@@ -145,6 +147,27 @@ def test_box_deviations_from_qwen_math_are_deliberate(response, qwen, evalkit):
 def test_judge(response, answer, expected):
     j = aime24.judge(response, answer)
     assert (j.correct, j.outcome) == expected
+
+
+# Both readings of one response: the headline (R1: the last box after the last `</think>`) and lighteval's
+# `pass_at_k_math` (math-verify over the whole stripped text, targets [ExprExtractionConfig(),
+# LatexExtractionConfig()], precision 6), which reads unboxed answers and boxes inside the thinking.
+READINGS = [
+    ("<think>\n5 + 68 = 73\n</think>\n**Final Answer**\nThe number of ways is 73", "no_box", True),
+    ("<think>\nwork 12 and 40\n</think>\nSo the answer is $73$.", "no_box", True),
+    ("<think>\nSo it is \\boxed{73}.\n</think>\nThe result is seventy-three, as found.", "no_box", True),
+    ("<think>\nmaybe \\boxed{70}\n</think>\nThus \\boxed{73}.", "boxed", True),
+    ("<think>\nit is 73\n</think>\n\\boxed{72}", "boxed", False),  # the headline's box is wrong
+]
+
+
+@pytest.mark.parametrize(("response", "outcome", "lighteval"), READINGS)
+def test_two_readings_never_mix(response, outcome, lighteval):
+    headline = aime24.judge(response, "73")
+    assert (headline.correct, headline.outcome) == (outcome == "boxed" and lighteval, outcome)
+    scores = aime24.score([response], _s("73"))
+    assert scores["lighteval_pass@1"] == 100 * lighteval
+    assert scores["pass@1"] == 100 * headline.correct and scores["cons@k"] == scores["pass@1"]
 
 
 def test_judge_runs_out_of_time_loudly(monkeypatch):
@@ -186,7 +209,7 @@ def _s(answer: str) -> Sample:
 
 
 def test_versions():
-    assert (aime24.VERSION, aime24.SCORER_VERSION) == (1, 2)  # a scorer-only change keeps the prompt version
+    assert (aime24.VERSION, aime24.SCORER_VERSION) == (1, 3)  # a scorer-only change keeps the prompt version
 
 
 def test_pass_at_1_and_cons_at_k():
@@ -203,6 +226,7 @@ def test_pass_at_1_and_cons_at_k():
         "no_box": 25,
         "thinking_truncated": 0,
         "judge_timeout": 0,
+        "lighteval_pass@1": 50,
     }
     assert scores[1]["pass@1"] == 50 and scores[1]["cons@k"] == 0
     assert scores[2] == {
@@ -211,8 +235,16 @@ def test_pass_at_1_and_cons_at_k():
         "no_box": 50,
         "thinking_truncated": 25,
         "judge_timeout": 0,
+        "lighteval_pass@1": 25,
     }
-    assert scores[3] == {"pass@1": 0, "cons@k": 0, "no_box": 50, "thinking_truncated": 50, "judge_timeout": 0}
+    assert scores[3] == {
+        "pass@1": 0,
+        "cons@k": 0,
+        "no_box": 50,
+        "thinking_truncated": 50,
+        "judge_timeout": 0,
+        "lighteval_pass@1": 0,
+    }
     agg = aggregate(scores)
     assert agg["pass@1"]["mean"] == 31.25 and agg["cons@k"]["mean"] == 50 and agg["pass@1"]["n"] == 4
 
@@ -236,6 +268,7 @@ def test_k1_cons_equals_pass():
         "no_box": 0,
         "thinking_truncated": 0,
         "judge_timeout": 0,
+        "lighteval_pass@1": 100,
     }
     with pytest.raises(ValueError):
         aime24.score([], _s("9"))

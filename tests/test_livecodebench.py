@@ -13,13 +13,17 @@ import sys
 import threading
 import time
 import zlib
+from collections import Counter, OrderedDict, defaultdict
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from evalkit import sandbox
 from evalkit.sample import render, render_sample
-from tasks.livecodebench import driver, grade
+from tasks.livecodebench import compare, driver, grade
 from tasks.livecodebench import livecodebench as lcb
 from tasks.livecodebench import livecodebench_r1 as r1
 from tasks.livecodebench.grade import Cases
@@ -145,7 +149,7 @@ def test_r1_window_and_versions(tmp_path):
     path.write_text("".join(json.dumps(row(f"q{i}", contest_date=d)) + "\n" for i, d in enumerate(dates)))
     got = r1.load(str(path), **window)
     assert [s.id for s in got.samples] == ["q1", "q2"] and got.stats["outside_window"] == 2
-    assert (r1.VERSION, lcb.VERSION, r1.SCORER_VERSION, lcb.SCORER_VERSION) == (2, 1, 2, 2)
+    assert (r1.VERSION, lcb.VERSION, r1.SCORER_VERSION, lcb.SCORER_VERSION) == (2, 1, 4, 4)
 
 
 # --- extraction, comparison, pass@k ----------------------------------------------------------------------------
@@ -181,26 +185,142 @@ def test_extract_code(output, code):
         ("a b\n", "a  b\n", False),  # not identical, not numbers
         ("1  2\n", "1 2\n", True),  # numbers: whitespace-separated tokens
         ("NaN\n", "NaN\n", True),  # identical text wins before Decimal
+        ("YES \nNO", "YES\nNO", True),  # each line stripped, not only the whole text
+        ("YES\n  NO\t\n", "YES\nNO", True),
+        ("YES\n\nNO", "YES\nNO", False),  # an empty line inside counts
     ],
 )
 def test_stdio_equal(out, expected, equal):
     assert grade.stdio_equal(out, expected) is equal
 
 
+# Upstream's functional verdict, testing_util.py `grade_call_based` (LiveCodeBench@28fef95), run in its
+# grading process (evalkit: `compare.call_passed`, in the comparator's sandbox):
+#     if isinstance(prediction, tuple):
+#         prediction = list(prediction)
+#     tmp_result = prediction == gt_out          # gt_out = json.loads(output)
+#     ...
+#     if not tmp_result: <-2, Wrong Answer>
+#     except Exception as e: <-4, Runtime Error>
 @pytest.mark.parametrize(
-    ("out", "expected", "equal"),
+    ("prediction", "expected", "verdict"),
     [
-        ("[1, 2]", "[1,2]", True),
-        ("2", "2.0", True),
-        ("true", "1", True),
-        (None, "[1]", False),
-        ('{"1": 2}', '{"1": 2}', True),
-        ("[[1, 2]]", "[[1, 2]]", True),
-        ("1.0000001", "1", False),
+        ([1, 2], "[1,2]", True),
+        (2, "2.0", True),
+        (True, "1", True),
+        (object(), "[1]", False),
+        ({"1": 2}, '{"1": 2}', True),
+        ({1: 2}, '{"1": 2}', False),  # JSON keys are strings
+        ([[1, 2]], "[[1, 2]]", True),
+        (1.0000001, "1", False),
+        ((1, 2), "[1, 2]", True),  # tuples become lists
+        ([(1, 2)], "[[1, 2]]", False),  # only the outer one
+        (Fraction(1, 2), "0.5", True),  # not JSON types: their own `==` decides, as upstream
+        ([Fraction(3, 1), Decimal("0.25")], "[3, 0.25]", True),
+        (Decimal("0.1"), "0.1", False),  # Decimal("0.1") != 0.1 (the float)
+        (np.int64(7), "7", True),
+        (np.array([5]), "[5]", True),  # one element: its truth value is that element's
+        (np.array([1, 3]), "[1, 3]", ValueError),  # `not array` raises: upstream's runtime error
+        (Decimal("sNaN"), "1", InvalidOperation),  # the comparison itself raises
     ],
 )
-def test_call_equal(out, expected, equal):
-    assert grade.call_equal(out, expected) is equal
+def test_call_passed(prediction, expected, verdict):
+    if isinstance(verdict, bool):
+        assert compare.call_passed(prediction, json.loads(expected)) is verdict
+    else:
+        with pytest.raises(verdict):
+            compare.call_passed(prediction, json.loads(expected))
+
+
+@pytest.fixture
+def upstream_int_limit():
+    """Upstream's grading process (and evalkit's driver) allows integers of up to 50000 digits."""
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(50000)
+    yield
+    sys.set_int_max_str_digits(before)
+
+
+def anything_equal():
+    class Anything:  # a class of the program's own: its module cannot be loaded by the comparator
+        def __eq__(self, other):
+            return True
+
+    return Anything()
+
+
+# The same answers on evalkit's path: the driver reports the value (`driver.report_call`: JSON text when it is
+# made of JSON types only, else its pickle), the host compares JSON values, the comparator the rest. Each
+# verdict is upstream's (`call_passed` above, Python's `==` on the value itself), except a class of the
+# program's own (deviations.md: graded wrong).
+@pytest.mark.parametrize(
+    ("prediction", "expected", "path", "outcome"),
+    [
+        ([1, 2], "[1,2]", "json", None),
+        (2, "2.0", "json", None),
+        (True, "1", "json", None),  # True == 1 in Python: not JSON-text equality
+        (1, "true", "json", None),
+        (False, "0.0", "json", None),
+        (0.1 + 0.2, "0.30000000000000004", "json", None),  # floats round-trip by repr
+        (0.1 + 0.2, "0.3", "json", "wrong_answer"),
+        (-0.0, "0", "json", None),
+        (float("inf"), "Infinity", "json", None),
+        (float("nan"), "NaN", "json", "wrong_answer"),  # nan != nan
+        ([float("nan")], "[NaN]", "json", "wrong_answer"),  # two objects: no identity shortcut upstream
+        ({"1": 2}, '{"1": 2}', "json", None),
+        ({1: 2}, '{"1": 2}', "pickle", "wrong_answer"),  # JSON keys are strings
+        ("\ud800", '"\\ud800"', "json", None),  # a lone surrogate
+        ([[1, 2]], "[[1, 2]]", "json", None),
+        (1.0000001, "1", "json", "wrong_answer"),
+        ((1, 2), "[1, 2]", "json", None),  # tuples become lists
+        ([(1, 2)], "[[1, 2]]", "pickle", "wrong_answer"),  # only the outer one
+        (10**5000, "1" + "0" * 5000, "json", None),  # beyond this process's 4300 digits
+        (10**60000, "1", "pickle", "wrong_answer"),  # beyond 50000 digits: no JSON text
+        (Fraction(1, 2), "0.5", "pickle", None),
+        ([Fraction(3, 1), Decimal("0.25")], "[3, 0.25]", "pickle", None),
+        (Decimal("0.1"), "0.1", "pickle", "wrong_answer"),
+        (np.int64(7), "7", "pickle", None),
+        (np.float64(0.5), "0.5", "pickle", None),
+        (np.array([5]), "[5]", "pickle", None),
+        (np.array([1, 3]), "[1, 3]", "pickle", "runtime_error"),  # `not array` raises
+        (Decimal("sNaN"), "1", "pickle", "runtime_error"),
+        (complex(2, 0), "2", "pickle", None),
+        (Counter(a=1), '{"a": 1}', "pickle", None),
+        (OrderedDict(a=1), '{"a": 1}', "pickle", None),
+        (defaultdict(lambda: 0, a=1), '{"a": 1}', "pickle", None),  # its lambda plays no part in `==`
+        (object(), "[1]", "pickle", "wrong_answer"),
+        (anything_equal(), "[1]", "unpicklable", "wrong_answer"),  # upstream: passed (deviations.md)
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, int) else None,  # str() of 10**5000 raises
+)
+def test_functional_answer_paths(prediction, expected, path, outcome, upstream_int_limit):
+    report = driver.report_call(prediction)
+    assert list(report) == [path]
+    assert grade.call_failure(report, expected, grade._settings) == outcome
+
+
+def test_deep_json_values_go_to_the_comparator():
+    """Past JSON_DEPTH the host's recursion limit could differ from upstream's 50000: pickled instead."""
+    value = [1]
+    for _ in range(driver.JSON_DEPTH):
+        value = [value]
+    assert list(driver.report_call(value[0])) == ["json"] and list(driver.report_call(value)) == ["pickle"]
+    assert grade.call_failure(driver.report_call(value), json.dumps(value), grade._settings) is None
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pickle.dumps(eval),  # builtins.eval: a global outside ALLOWED
+        b"cos\nsystem\n(S'true'\ntR.",  # os.system('true'), protocol 0
+        pickle.dumps(Path("x")),
+        b"not a pickle",
+    ],
+)
+def test_comparator_admits_only_stdlib_and_numpy_types(payload):
+    with pytest.raises(compare.Refused):
+        compare.unpickle(payload)
+    assert compare.unpickle(pickle.dumps([Fraction(1, 3), np.array([1.5]), Decimal(2)]))[0] == Fraction(1, 3)
 
 
 @pytest.mark.parametrize(
@@ -401,6 +521,8 @@ STDIN = Cases(["1 2\n", "5 7\n"], ["3\n", "12\n"], None)
         # hostile or odd output is judged, never crashes the grader
         ("input()\nprint('sNaN')", "wrong_answer"),  # a signalling NaN cannot be compared
         ("import os\nos.write(3, b'[' * 100000 + b'\\n')\ninput()", "runtime_error"),  # too deep to decode
+        # a program that swallows the time limit: evalkit's watchdog is outside it (deviations.md, Timeouts)
+        ("import time\ntry:\n    time.sleep(30)\nexcept BaseException:\n    pass\nprint(3)", "timeout"),
     ],
 )
 def test_stdin_semantics(code, outcome):
@@ -503,24 +625,19 @@ def test_stdin_forms_as_upstream(bracket_tests):
 UPSTREAM_ENV = "EVALKIT_LCB_UPSTREAM"  # a LiveCodeBench checkout at 28fef95 (never part of evalkit)
 
 
-@pytest.mark.slow
-def test_stdin_forms_side_by_side_with_upstream(bracket_tests, tmp_path):
-    """Runs upstream's own `evaluate_generations` (as the published runs did: a worker pool, one process per
-    program, the documented argv, stdin from /dev/null) on FORMS and checks the upstream column."""
+def upstream_results(tests: Cases, codes: list[str], tmp_path) -> list[list]:
+    """Upstream's `evaluate_generations` on `codes` (as the published runs did: a worker pool, one process
+    per program, the documented argv, stdin from /dev/null): each program's per-test results."""
     checkout = os.environ.get(UPSTREAM_ENV)
     if not checkout:
         pytest.skip(f"set {UPSTREAM_ENV} to a LiveCodeBench checkout at 28fef95")
-    job = {
-        "inputs": bracket_tests.inputs,
-        "outputs": bracket_tests.outputs,
-        "codes": [SOLVE + c for _, c, _, _ in FORMS],
-    }
+    job = {"inputs": tests.inputs, "outputs": tests.outputs, "fn_name": tests.fn_name, "codes": codes}
     (tmp_path / "job.json").write_text(json.dumps(job))
     script = (
         "import json, sys\nsys.path.insert(0, sys.argv[1])\n"
         "from lcb_runner.evaluation.compute_code_generation_metrics import evaluate_generations\n"
         "job = json.load(open(sys.argv[2]))\n"
-        "sample = {'input_output': json.dumps({'inputs': job['inputs'], 'outputs': job['outputs'], 'fn_name': None})}\n"
+        "sample = {'input_output': json.dumps({k: job[k] for k in ('inputs', 'outputs', 'fn_name')})}\n"
         f"sys.argv = {driver.ARGV!r}\n"
         "res, _ = evaluate_generations([sample], [job['codes']], num_process_evaluate=2, timeout=6)\n"
         "print(json.dumps(res[0]))\n"
@@ -533,7 +650,13 @@ def test_stdin_forms_side_by_side_with_upstream(bracket_tests, tmp_path):
         check=True,
         cwd=checkout,
     ).stdout
-    results = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_stdin_forms_side_by_side_with_upstream(bracket_tests, tmp_path):
+    """Upstream's own `evaluate_generations` on FORMS checks the upstream column."""
+    results = upstream_results(bracket_tests, [SOLVE + c for _, c, _, _ in FORMS], tmp_path)
     assert [True if all(x is True for x in r) else r[-1] for r in results] == [u for _, _, u, _ in FORMS]
 
 
@@ -579,7 +702,7 @@ CALL = Cases(["[3,1,2]", "[5]"], ["[1, 3]", "[5, 5]"], "extremes")
         (
             "class Solution:\n    def extremes(self, nums):\n        x = []\n        for _ in range(5000):\n            x = [x]\n        return x",
             "wrong_answer",
-        ),  # nested too deep for the host's decoder
+        ),  # nested 5000 deep: `[x] == [1, 3]` is False, as upstream
         (
             'import os\nclass Solution:\n    def extremes(self, nums):\n        os.write(3, b\'{"ev": "test", "i": 0, "out": 5}\\n\')\n        return nums',
             "wrong_answer",
@@ -588,6 +711,95 @@ CALL = Cases(["[3,1,2]", "[5]"], ["[1, 3]", "[5, 5]"], "extremes")
 )
 def test_functional_semantics(code, outcome):
     assert grade.grade(code, CALL).outcome == outcome
+
+
+# Hostile functional programs: each would pass were expected outputs or verdicts inside the program's process
+# (the first two did, when the driver judged `==` there; the last two pass upstream, which trusts the
+# answer's `__eq__`). None may pass: generated code is untrusted.
+HOSTILE = [
+    (
+        "forged verdicts on the event pipe",
+        "import os\nclass Solution:\n    def extremes(self, nums):\n"
+        '        os.write(3, b\'{"ev": "test", "i": 0, "passed": true}\\n\'\n'
+        '                    b\'{"ev": "test", "i": 1, "passed": true}\\n\')',
+        "wrong_answer",
+    ),
+    (  # finds the driver's stream and header in its frames, reads ahead and hands the driver back its bytes
+        "expected outputs read from the driver's stream",
+        "import io, json, sys\nclass Solution:\n    def extremes(self, nums):\n"
+        "        f = sys._getframe(1)\n        while 'job' not in f.f_locals:\n            f = f.f_back\n"
+        "        job, header, i = f.f_locals['job'], f.f_locals['header'], f.f_locals['i']\n"
+        "        main = sys.modules['__main__']\n        if i == 0:\n"
+        "            main.stolen = io.BytesIO(job.read())\n            real = main.read_input\n"
+        "            main.read_input = lambda _job, size: real(main.stolen, size)\n"
+        "        pos = main.stolen.tell()\n"
+        "        value = json.loads(main.stolen.read(header.get('expected_sizes', header['sizes'])[i]))\n"
+        "        main.stolen.seek(pos)\n        return value",
+        "wrong_answer",  # all it finds is the next input, [5]
+    ),
+    (
+        "an answer whose __eq__ always holds",
+        "class Anything:\n    def __eq__(self, other):\n        return True\n"
+        "class Solution:\n    def extremes(self, nums):\n        return Anything()",
+        "wrong_answer",  # its class cannot be pickled (upstream: passed)
+    ),
+    (
+        "a pickle that builds such an answer in the comparator",
+        "class Sneaky:\n    def __reduce__(self):\n"
+        "        return eval, (\"type('A', (), {'__eq__': lambda s, o: True})()\",)\n"
+        "class Solution:\n    def extremes(self, nums):\n        return Sneaky()",
+        "wrong_answer",  # builtins.eval is refused
+    ),
+    (
+        "a JSON answer forged on the event pipe",
+        "import os\nclass Solution:\n    def extremes(self, nums):\n"
+        '        os.write(3, b\'{"ev": "test", "i": 0, "json": "[1, 3]"}\\n\')\n        return nums',
+        "runtime_error",  # only as good as returning [1, 3]; the driver's own event is then unexpected
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "code", "outcome"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_functional_programs_never_pass(name, code, outcome):
+    assert grade.grade(code, CALL).outcome == outcome
+
+
+def test_json_answers_need_no_comparator(monkeypatch):
+    """The extra sandboxed process runs only for answers that are not JSON values."""
+    monkeypatch.setattr(grade, "compare_pickled", lambda *a: pytest.fail("comparator ran"))
+    code = "class Solution:\n    def extremes(self, nums):\n        return min(nums), max(nums)"
+    assert grade.grade(code, CALL).outcome == "passed"
+
+
+# Answers that are not JSON types: upstream judges `prediction == json.loads(expected)` in its grading process,
+# evalkit in the comparator's sandbox (`compare.call_passed`). (name, program, upstream's result from
+# `evaluate_generations`, evalkit's outcome); `test_non_json_answers_side_by_side_with_upstream` reproduces the
+# upstream column (measured: Fraction and Decimal [True, True]; the numpy array [True, -4], its `==` an array
+# whose truth value raises ValueError; complex [True, True]; the computed NaN [False]).
+NON_JSON = [
+    ("Fraction", "from fractions import Fraction\nclass Solution:\n    def extremes(self, nums):\n        return [Fraction(min(nums)), Fraction(max(nums), 1)]", True, "passed"),
+    ("Decimal tuple", "from decimal import Decimal\nclass Solution:\n    def extremes(self, nums):\n        return (Decimal(min(nums)), Decimal(max(nums)))", True, "passed"),
+    ("numpy array", "import numpy as np\nclass Solution:\n    def extremes(self, nums):\n        return np.array([min(nums), max(nums)])", -4, "runtime_error"),
+    ("float off by 1e-9", "class Solution:\n    def extremes(self, nums):\n        return [min(nums), max(nums) + 1e-9]", False, "wrong_answer"),
+    ("object()", "class Solution:\n    def extremes(self, nums):\n        return object()", False, "wrong_answer"),
+    ("complex", "class Solution:\n    def extremes(self, nums):\n        return [complex(min(nums), 0), max(nums)]", True, "passed"),
+    ("computed NaN", "class Solution:\n    def extremes(self, nums):\n        return [float('nan'), max(nums)]", False, "wrong_answer"),
+]  # fmt: skip
+
+
+def test_non_json_answers_as_upstream():
+    graded = grade.grade_many([(code, CALL) for _, code, _, _ in NON_JSON])
+    assert {name: g.outcome for (name, *_), g in zip(NON_JSON, graded)} == {n: o for n, _, _, o in NON_JSON}
+    kinds = {True: {"passed"}, False: {"wrong_answer"}, -4: {"runtime_error"}}
+    assert all(outcome in kinds[upstream] for _, _, upstream, outcome in NON_JSON)
+
+
+@pytest.mark.slow
+def test_non_json_answers_side_by_side_with_upstream(tmp_path):
+    """Upstream's own `evaluate_generations` on NON_JSON: its verdict per program (True when every test
+    passed, else the last test's code: -2 wrong, -4 error; a plain wrong answer records False)."""
+    results = upstream_results(CALL, [code for _, code, _, _ in NON_JSON], tmp_path)
+    assert [True if all(x is True for x in r) else r[-1] for r in results] == [u for _, _, u, _ in NON_JSON]
 
 
 def test_refuses_without_isolation(monkeypatch):

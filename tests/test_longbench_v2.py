@@ -119,6 +119,34 @@ def test_load_counts_truncations(tmp_path, tokenizer):
 # --- scoring and aggregation ---
 
 
+# DeepSeek-R1's template ends the generation prompt with `{{'<｜Assistant｜><think>\\n'}}`
+R1_CHAT = "{% for m in messages %}<｜User｜>{{ m['content'] }}{% endfor %}{{ '<｜Assistant｜><think>\\n' }}"
+
+
+def test_cot_answer_call_gets_the_reasoning_as_produced(tmp_path, tokenizer):
+    """An R1 template ends the prompt in `<think>\n`: the scorers see it put back in front of the output
+    (finish_text), but pred.py's `$COT$` is the completion itself: `response = output.strip()`,
+    `.replace('$COT$', response)` (THUDM/LongBench@2e00731 pred.py)."""
+    from evalkit.lm import Prompt, finish_text, followup_prompt, sample_prompt
+
+    tokenizer.chat_template = R1_CHAT
+    sample = lb.load(source=_write([row()], tmp_path), mode="cot").samples[0]
+    first = Prompt(
+        "k",
+        sample_prompt(tokenizer, sample),
+        1024,
+        {},
+        sample,
+        "tasks.longbench_v2.longbench_v2:cot_followup",
+    )
+    assert first.text.endswith("<think>\n")
+    output = finish_text(first, "Step 1: a.\n</think>\nThe correct answer is (A)", [])
+    second = followup_prompt(first, output, tokenizer, lambda n: n)
+    cot = "Step 1: a.\n</think>\nThe correct answer is (A)"
+    assert second.sample.meta["cot"] == cot and f"step by step: {cot}\n\nBased" in second.text
+    assert first.text.count("<think>") == 1 and second.text.count("<think>") == 1  # the template's own
+
+
 def _s(subset, answer="A"):
     return lb.Sample("id", "longbench_v2", "p", [answer], 128, subset=subset)
 
@@ -137,6 +165,13 @@ def test_score_buckets_and_compensated():
     assert agg["accuracy/short"]["mean"] == 50 and agg["accuracy/short"]["n"] == 2
     assert agg["accuracy/medium"]["mean"] == 0 and agg["accuracy/long"]["mean"] == 100
     assert agg["compensated"]["mean"] == pytest.approx((100 + 0 + 25 + 100) / 4)
+    # result.py with compensated=True: `if compensated and pred["pred"] == None: acc = 0.25`, then that acc
+    # is added to the difficulty column and to the length column alike
+    assert agg["compensated/easy"]["mean"] == 100 and agg["compensated/hard"]["mean"] == pytest.approx(
+        125 / 3
+    )
+    assert agg["compensated/short"]["mean"] == 50 and agg["compensated/medium"]["mean"] == 25
+    assert agg["compensated/long"]["mean"] == 100
     assert agg["no_answer"]["mean"] == 25
 
 
@@ -149,6 +184,8 @@ def test_score_averages_over_k_predictions():
         "accuracy/easy": 25,
         "accuracy/long": 25,
         "compensated": 25 + 12.5,
+        "compensated/easy": 25 + 12.5,
+        "compensated/long": 25 + 12.5,
         "no_answer": 50,
     }
 

@@ -331,6 +331,57 @@ def test_qa_prompt_exact(files):
     assert [hdocs[i] for i in hq[1]["context"]][0] == "Title 10\nSentence 10 one. Sentence 10 two."
 
 
+def squad_mixed(tmp_path) -> RulerData:
+    """Three questions on one short gold document among 40 others, every second one 60 words long: a
+    10-document haystack fits 180 tokens only when few long ones are drawn."""
+    long = " ".join(["word"] * 60)
+    qas = [{"question": f"Q{i}?", "is_impossible": False, "answers": [{"text": "Gold"}]} for i in range(3)]
+    arts = [{"title": "Q", "paragraphs": [{"context": "Gold doc.", "qas": qas}]}]
+    arts += [
+        {"title": f"A{i}", "paragraphs": [{"context": long if i % 2 else f"short doc {i}.", "qas": []}]}
+        for i in range(40)
+    ]
+    (tmp_path / "squad.json").write_text(json.dumps({"data": arts}))
+    return RulerData({"squad": ruler_data.resolve("squad", str(tmp_path / "squad.json"))})
+
+
+def test_qa_redraws_at_the_smallest_haystack(tok, tmp_path):
+    """At 180 tokens the size search finds no size for question 0 and settles on 10 documents; a draw there
+    that does not fit is drawn again (upstream qa.py: `if used_docs > incremental: used_docs -= incremental`,
+    else its `while(True)` loop draws again), never an error."""
+    rows = gen.generate_task("qa_1", 180, 3, 42, tok, squad_mixed(tmp_path))
+    assert [r.meta["n_prompt_tokens"] for r in rows] == [130, 130, 130]
+    assert all(r.prompt.count("Document ") == 10 for r in rows)
+
+
+def test_fit_shrinks_then_redraws_as_upstream():
+    """Upstream's loop: a failed draw (too long, or `random.sample` raising on too small a population)
+    shrinks by the step while the size is above it (15 -> 5, below the step, as upstream), then redraws."""
+    tried, totals = [], iter([900, 950, 990, 120])
+
+    def make(size):
+        tried.append(size)
+        if size == 5 and len(tried) == 2:
+            raise ValueError("Sample larger than population or is negative")
+        return ("p", "", [str(size)])
+
+    draw, total = gen.fit(make, lambda d: next(totals), 500, 15, 10)
+    assert tried == [15, 5, 5, 5, 5] and total == 120 and draw[2] == ["5"]
+
+
+def test_no_draw_fits_names_the_fix(tok, tmp_path, monkeypatch):
+    monkeypatch.setattr(gen, "FLOOR_DRAWS", 7)
+    with pytest.raises(gen.SizingError) as e:
+        gen.generate_task("qa_1", 100, 1, 42, tok, squad_mixed(tmp_path))
+    assert str(e.value) == (
+        "RULER qa_1 has no sample that fits in 100 tokens (7 draws at the smallest haystack (10) fit none: the "
+        "last one needs 162 tokens): use a larger length (task.load.lengths) or leave qa_1 out (task.load.tasks)"
+    )
+    calls = iter([ValueError("Sample larger than population or is negative")] * 7)
+    with pytest.raises(gen.SizingError, match=r"fit none: cannot be drawn \(Sample larger than population"):
+        gen.fit(lambda size: (_ for _ in ()).throw(next(calls)), len, 500, 5, 10)
+
+
 def test_adj_noun_view_indexes_like_a_sorted_list():
     words = ruler_data.AdjNounWords(["big", "big-eyed", "big top", "red"], ["cat", "-x", "dog"])
     full = sorted({f"{a}-{n}" for a in ["big", "big-eyed", "big top", "red"] for n in ["cat", "-x", "dog"]})

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 import evalkit.task
+from evalkit import sandbox
 from evalkit.config import compose
 from evalkit.lm import EvalkitLM
 from evalkit.run import run as run_cfg
+from tasks.livecodebench import grade
 from tests.conftest import killed_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,8 +108,9 @@ def test_livecodebench_grades_in_the_sandbox_and_records_isolation(tmp_path, scr
         assert [s["pass@1"] for s in got[sid]["repeat_scores"]] == [100.0, 0.0]
     assert m["scores"]["pass@1"]["mean"] == 50.0
     setup = m["task_setup"]
-    assert {"isolation", "allow_unisolated", "timeout_s", "memory_mb"} <= set(setup)
-    assert isinstance(setup["isolation"], dict) and setup["isolation"]
+    iso = sandbox.isolation()  # this machine's, probed once per process: what the grading ran under
+    assert setup["isolation"] == iso and setup["memory_limit"] == grade.MEMORY_LIMITS[iso["memory"]]
+    assert (setup["allow_unisolated"], setup["timeout_s"], setup["memory_mb"]) == (True, 6.0, 4096)
 
 
 def test_longbench_cot_answer_call_runs_on_a_full_cache(tmp_path):

@@ -30,7 +30,7 @@ from tasks.aime24 import grade
 
 VERSION = 1  # bump when the prompt or data handling changes (the generations change)
 # bump when extraction or judging changes (2: math-verify, `\\boxed N`): finished runs re-score
-SCORER_VERSION = 2
+SCORER_VERSION = 3  # 3: lighteval's whole-text reading reported beside the headline
 TASK = "aime24"
 REPO = "HuggingFaceH4/aime_2024"
 # Not checked against the hub from here (unreachable): the revision several public pins use for this file.
@@ -156,7 +156,10 @@ def score(predictions: list[str], sample: Sample) -> dict[str, float]:
     """Percent: pass@1 (mean over the k predictions), cons@k (majority vote: correct answers vote for the
     gold, wrong ones for math-verify's reading of their box; a response with nothing readable does not vote;
     a tie goes to the answer seen first, Counter.most_common's order), and the shares of the k predictions
-    with no box, cut off while thinking, or whose judging ran out of time."""
+    with no box, cut off while thinking, or whose judging ran out of time. `lighteval_pass@1` is the second
+    reading, apart from the headline: lighteval's math-verify extraction over each whole response
+    (`grade.judge_text`), which also credits `**Final Answer** 73`, `the answer is $73$` or a box left
+    inside the thinking; a compressed run that stops boxing shows as the gap between the two."""
     if not predictions:
         raise ValueError(f"{sample.id}: no predictions to score")
     answer = sample.answers[0]
@@ -171,7 +174,14 @@ def score(predictions: list[str], sample: Sample) -> dict[str, float]:
         "no_box": share("no_box"),
         "thinking_truncated": share("thinking_truncated"),
         "judge_timeout": share("judge_timeout"),
+        "lighteval_pass@1": 100 * sum(whole_text(p, answer) for p in predictions) / k,
     }
+
+
+def whole_text(prediction: str, answer: str) -> bool:
+    """lighteval's reading of one response; a judging step that runs out of time reads as wrong."""
+    verdict = grade.judge_text(prediction, answer)
+    return verdict is not None and verdict[0]
 
 
 custom_dataset, process_results = lm_eval_hooks(TASK, load, score)

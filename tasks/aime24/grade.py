@@ -63,10 +63,11 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_TimersOff())
 
 
-def judge_here(box: str, gold: str, parse_s: float = PARSE_S, verify_s: float = VERIFY_S):
-    """(correct, vote) for one box in this process's main thread, or None when a step ran out of time.
+def judge_here(text: str, gold: str, parse_s: float = PARSE_S, verify_s: float = VERIFY_S):
+    """(correct, vote) for the text math-verify reads (`\\boxed{<box>}`, or a whole response) in this
+    process's main thread, or None when a step ran out of time.
 
-    `vote` is what a wrong answer votes for in cons@k: the string of math-verify's reading of the box (its
+    `vote` is what a wrong answer votes for in cons@k: the string of math-verify's reading of the text (its
     first extraction), None when nothing could be read."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
@@ -74,7 +75,7 @@ def judge_here(box: str, gold: str, parse_s: float = PARSE_S, verify_s: float = 
     try:
         with deadline(parse_s):
             gold_parsed = parse(gold, targets, parsing_timeout=None)
-            pred = parse("\\boxed{" + box + "}", targets, parsing_timeout=None)
+            pred = parse(text, targets, parsing_timeout=None)
         if not gold_parsed:
             raise ValueError(f"math-verify cannot read the gold answer {gold!r}")
         with deadline(verify_s):
@@ -102,18 +103,33 @@ def _close_pool() -> None:
 
 
 def judge_box(box: str, gold: str):
+    """One box's content, read by math-verify's own boxed extraction as `\\boxed{<box>}` (the headline)."""
+    return _judge("\\boxed{" + box + "}", gold)
+
+
+def judge_text(text: str, gold: str):
+    """lighteval's reading of a whole response (`pass_at_k_math`: PassAtK(strip_strings=True) over
+    MultilingualExtractiveMatchMetric with the same targets, precision 6, first_match fallback, any_match
+    extraction: math-verify's `parse`/`verify` defaults): whatever its extraction finds anywhere in the
+    stripped text, thinking included, i.e. lighteval run with its reasoning tags kept
+    (`remove_reasoning_tags=False`; its current default cuts `<think>...</think>` first). Reported beside
+    the headline, never in it."""
+    return _judge(text.strip(), gold)
+
+
+def _judge(text: str, gold: str):
     """`judge_here` from any thread: directly in the main thread, else in a one-process pool (spawned once)
     where it runs in that process's main thread; a worker that outlives its budgets is killed."""
     parse_s, verify_s = PARSE_S, VERIFY_S  # read at call time (tests shorten them)
     if threading.current_thread() is threading.main_thread():
-        return judge_here(box, gold, parse_s, verify_s)
+        return judge_here(text, gold, parse_s, verify_s)
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
             _POOL = multiprocessing.get_context("spawn").Pool(1)
             atexit.register(_close_pool)
             _POOL.apply(_warm)
-        pending = _POOL.apply_async(judge_here, (box, gold, parse_s, verify_s))
+        pending = _POOL.apply_async(judge_here, (text, gold, parse_s, verify_s))
         try:
             return pending.get(parse_s + verify_s + POOL_GRACE_S)
         except multiprocessing.TimeoutError:  # stuck where SIGALRM cannot reach (inside one C call)

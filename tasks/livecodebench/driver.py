@@ -3,9 +3,15 @@ imported by evalkit: stdlib only.
 
 Executes the candidate the way upstream `lcb_runner/evaluation/testing_util.py` (LiveCodeBench@28fef95) does
 in its grading process, and reports on fd 3 (JSON lines): `ready`, then `compiled` or `compile_error`, then
-one `test` event per input with the program's output (`out`) or its exception (`error`). The expected
-outputs never enter the sandbox: the grader compares outside, stops this process at the first failure and
-times each step (upstream's per-test `signal.alarm`).
+one `test` event per input: a stdin program's output (`out`), a functional call's return value (`json`: its
+JSON text when it is made of JSON types only; else `pickle`: base64 of its pickle, or `unpicklable`), or
+the exception (`error`). The grader stops this process at the first failure and times each step (upstream's
+per-test `signal.alarm`).
+
+No expected output ever enters this process: the candidate shares it (and could read the driver's stream or
+write to its event pipe). The grader compares outside: stdin outputs and JSON values on the host, other
+values (a Fraction, a Decimal, numpy) by upstream's `prediction == json.loads(expected)` in a fresh
+sandboxed process (`compare.py`) that unpickles only stdlib and numpy types.
 
 stdin carries one JSON header line {"code", "fn_name", "sizes"} and then the tests' inputs as raw UTF-8,
 back to back (`sizes[i]` bytes each). Each input is read when its test starts and decoded once: a 150 MB
@@ -13,12 +19,15 @@ input is never held twice as text.
 """
 
 import ast
+import base64
+import collections
 import contextlib
 import importlib.util
 import json
 import os
+import pickle
 import sys
-from io import StringIO
+from io import BytesIO, StringIO
 from types import ModuleType
 from unittest.mock import mock_open, patch
 
@@ -241,23 +250,49 @@ def run_stdin_test(fn, text: str, data: bytes | None) -> str:
 # --- functional (LeetCode) programs ---------------------------------------------------------------------
 
 
-def to_json(value) -> str | None:
-    """The call's result as JSON text for the grader, or None when JSON cannot carry it faithfully (then it
-    cannot equal the JSON-decoded expected value either, and upstream's `==` would fail too). Tuples become
-    lists first (upstream), numpy scalars plain numbers (numpy's `==` with a number holds)."""
-    if isinstance(value, tuple):
-        value = list(value)
+JSON_DEPTH = 100  # deeper values go to the comparator, whose recursion limit is upstream's 50000
+SCALARS = frozenset({str, int, float, bool, type(None)})
 
-    def scalar(o):
-        if type(o).__module__ == "numpy" and getattr(o, "ndim", None) == 0:
-            return o.item()
-        raise TypeError(type(o).__name__)
 
+def plain(value, depth: int = 0) -> bool:
+    """Whether `value` is made of JSON types only (exactly: no subclasses, str keys), checked without running
+    any of the candidate's code. Its JSON text then decodes to an equal value, and upstream's `==` on such
+    values is the host's `==` on the decoded ones."""
+    kind = type(value)
+    if kind in SCALARS:
+        return True
+    if depth >= JSON_DEPTH:
+        return False
+    if kind is list:
+        return all(type(v) in SCALARS or plain(v, depth + 1) for v in value)
+    if kind is dict:
+        return all(type(k) is str and (type(v) in SCALARS or plain(v, depth + 1)) for k, v in value.items())
+    return False
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        if type(obj) is collections.defaultdict:  # its factory (often a lambda) plays no part in `==`
+            return collections.defaultdict, (), None, None, iter(obj.items())
+        return NotImplemented
+
+
+def report_call(prediction) -> dict:
+    """The call's return value for the grader, tuples made lists first (upstream): its JSON text, else its
+    pickle (protocol 4), else why it cannot be pickled (a class of the program's own: graded wrong)."""
+    if isinstance(prediction, tuple):
+        prediction = list(prediction)
+    if plain(prediction):
+        try:
+            return {"json": json.dumps(prediction)}
+        except ValueError:  # an int beyond upstream's 50000 digits: pickled instead
+            pass
+    buf = BytesIO()
     try:
-        text = json.dumps(value, default=scalar)
-        return text if json.loads(text) == value else None
-    except (TypeError, ValueError, RecursionError):
-        return None
+        _Pickler(buf, protocol=4).dump(prediction)
+    except BaseException as e:  # noqa: BLE001 - the candidate's __reduce__ may raise anything
+        return {"unpicklable": repr(e)[:1000]}
+    return {"pickle": base64.b64encode(buf.getvalue()).decode()}
 
 
 # --- main -----------------------------------------------------------------------------------------------
@@ -286,18 +321,18 @@ def read_input(job, size: int) -> tuple[str, bytes | None]:
         return data.decode("utf-8", "surrogatepass"), None
 
 
-def run_tests(fn, job, fn_name: str | None, sizes: list[int]) -> None:
-    for i, size in enumerate(sizes):
+def run_tests(fn, job, header: dict) -> None:
+    for i, size in enumerate(header["sizes"]):
         try:
             text, data = read_input(job, size)
-            if fn_name is not None:
-                out = to_json(fn(*[json.loads(line) for line in text.split("\n")]))
+            if header["fn_name"] is None:
+                event = {"out": run_stdin_test(fn, text, data)}
             else:
-                out = run_stdin_test(fn, text, data)
+                event = report_call(fn(*[json.loads(line) for line in text.split("\n")]))
         except BaseException as e:  # noqa: BLE001 - SystemExit/KeyboardInterrupt of a functional call too
             emit(ev="test", i=i, error=repr(e)[:1000])
             return
-        emit(ev="test", i=i, out=out)
+        emit(ev="test", i=i, **event)
 
 
 def main() -> None:
@@ -315,7 +350,7 @@ def main() -> None:
         emit(ev="compile_error", error=repr(e)[:1000])
         return
     emit(ev="compiled")
-    run_tests(fn, job, header["fn_name"], header["sizes"])
+    run_tests(fn, job, header)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Grading LiveCodeBench programs: upstream's extraction and comparison rules (`lcb_runner`, pinned in the
-task docstring), the programs run by `driver.py` in `evalkit.sandbox`, expected outputs compared out here.
+task docstring), the programs run by `driver.py` in `evalkit.sandbox`. Expected outputs never enter the
+program's sandbox: a stdin program's output and a functional call's JSON value are compared out here; a value
+of another type (Fraction, Decimal, numpy) by upstream's `==` in a fresh sandboxed `compare.py`.
 
 The sandbox settings live in this module, not in the task module, because lm-eval exec's the task module
 from its path as a second copy: `configure()` and every `score()` meet here, in the one imported copy.
@@ -7,6 +9,7 @@ from its path as a second copy: `configure()` and every `score()` meet here, in 
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import json
@@ -24,6 +27,7 @@ from evalkit import sandbox
 
 OUTCOMES = ("passed", "wrong_answer", "timeout", "runtime_error", "compile_error", "no_code", "sandbox_kill")
 DRIVER = (Path(__file__).parent / "driver.py").read_text(encoding="utf-8")
+COMPARE = (Path(__file__).parent / "compare.py").read_text(encoding="utf-8")
 # Starting the interpreter and the driver is the harness's part, not the candidate's: it gets its own wall
 # and CPU allowance, so even a tiny timeout_s grades the candidate (as a timeout) instead of failing here.
 STARTUP_S, STARTUP_CPU_S = 60.0, 10.0
@@ -46,7 +50,8 @@ class Cases:
     @functools.cached_property
     def encoded(self) -> list[bytes]:
         """The inputs as the driver reads them, encoded once and shared by every run on these tests (lone
-        surrogates, which JSON allows, pass through and reach the driver as they were)."""
+        surrogates, which JSON allows, pass through and reach the driver as they were). Expected outputs
+        are never sent."""
         return [text.encode("utf-8", "surrogatepass") for text in self.inputs]
 
 
@@ -129,7 +134,7 @@ def _checked(workers, timeout_s, memory_mb, allow_unisolated, unknown: dict) -> 
 def _check_start(s: Settings) -> None:
     """The driver must start under these limits (too little memory for the interpreter would otherwise fail
     every grading after the whole generation): one run of an empty program, no tests."""
-    judge = _Judge(Cases([], [], None))
+    judge = _Judge(Cases([], [], None), s)
     res = _run_driver("pass", judge.tests, judge, s)
     if res.status == "sandbox_error":  # the sandbox itself failed: no memory setting would help
         raise sandbox.SandboxError(f"the sandbox cannot start the grader: {res.error or res.stderr[-300:]}")
@@ -176,14 +181,82 @@ def stdio_equal(output: str, expected: str) -> bool:
     return True
 
 
-def call_equal(output_json: str | None, expected_json: str) -> bool:
-    """Upstream's functional comparison `result == json.loads(expected)` (tuples already made lists); the
-    driver sends the result as JSON, or None when JSON cannot carry it (then it never equals). The output
-    comes from the sandbox (the candidate shares the driver's event pipe): anything undecodable is unequal."""
-    try:
-        return output_json is not None and json.loads(output_json) == json.loads(expected_json)
-    except (TypeError, ValueError, RecursionError):
-        return False
+# --- functional answers: upstream's `prediction == json.loads(expected)`, outside the program ----------------
+
+
+def _big_int(text: str) -> int:
+    """JSON integers as upstream decodes them: its grader raised the interpreter's digit limit to 50000
+    (this process keeps the default 4300). Decimal converts without that limit."""
+    if len(text.lstrip("-")) > 50000:
+        raise ValueError(f"an integer of {len(text)} digits exceeds the limit of 50000")
+    return int(text) if len(text) <= 4300 else int(Decimal(text))
+
+
+def decode_json(text: str):
+    """`json.loads` as in upstream's grading process (integers of up to 50000 digits), each NaN a float of
+    its own: `json.loads` shares one, and inside a list `==` takes the same object as equal to itself, where
+    upstream compares the program's own NaN with the expected one (unequal)."""
+    return json.loads(text, parse_int=_big_int, parse_constant=float)
+
+
+def call_failure(ev: dict, expected: str, s: Settings) -> str | None:
+    """How a functional test failed (an outcome), or None when it passed. A JSON value (exactly JSON types,
+    str keys: `driver.plain`) is compared here: the decoded values' `==` is upstream's `==` on the value
+    itself (its JSON text round-trips: floats by repr, NaN and infinities included, so `True == 1`,
+    `2 == 2.0` and `nan != nan` hold as there). A pickled value goes to `compare_pickled`; one the driver
+    could not pickle (a class of the program's own) is a wrong answer. Anything else on the event is the
+    candidate's writing on the driver's pipe: wrong."""
+    if isinstance(ev.get("json"), str):
+        try:
+            return None if decode_json(ev["json"]) == decode_json(expected) else "wrong_answer"
+        except (ValueError, RecursionError):  # not the driver's text: the candidate wrote this event
+            return "wrong_answer"
+    if isinstance(ev.get("pickle"), str):
+        try:
+            data = base64.b64decode(ev["pickle"], validate=True)
+        except ValueError:
+            return "wrong_answer"
+        return compare_pickled(data, expected, s)
+    return "wrong_answer"
+
+
+# How the comparator's verdict, or its run's end without one, counts.
+_COMPARED = {"timeout": "timeout", "memory": "sandbox_kill", "output_limit": "sandbox_kill"}
+
+
+def compare_pickled(data: bytes, expected: str, s: Settings) -> str | None:
+    """Upstream's `==` on a pickled answer, in a fresh sandbox under the same limits with no program code
+    loaded (`compare.py`): None when it holds; `wrong_answer` when it does not or the pickle is refused
+    (not a stdlib or numpy type); `runtime_error` when it raises (upstream's -4)."""
+    verdict: dict = {}
+
+    def on_event(ev: dict) -> bool:
+        verdict.update(ev)
+        return ev.get("ev") == "ready"
+
+    body = expected.encode("utf-8", "surrogatepass")
+    header = json.dumps({"sizes": [len(data), len(body)]}).encode() + b"\n"
+    res = sandbox.run_program(
+        COMPARE,
+        [header, data, body],
+        timeout_s=s.timeout_s,
+        first_event_s=STARTUP_S,
+        memory_mb=s.memory_mb,
+        cpu_s=STARTUP_CPU_S + s.timeout_s,
+        on_event=on_event,
+        allow_unisolated=s.allow_unisolated,
+    )
+    if "passed" in verdict:
+        return None if verdict["passed"] is True else "wrong_answer"
+    if "refused" in verdict:
+        return "wrong_answer"
+    if "error" in verdict:
+        return "runtime_error"
+    if res.status == "sandbox_error" or "ev" not in verdict:  # never ready: our failure, not the answer's
+        raise sandbox.SandboxError(
+            f"comparator did not start ({res.status}): {res.error or res.stderr[-2000:]}"
+        )
+    return _COMPARED.get(res.status, "runtime_error")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -198,8 +271,8 @@ class _Judge:
     """The `on_event` of one run: checks each driver event as it arrives, stops the run at the first failure
     (upstream stops at the first failing test) or once every test passed."""
 
-    def __init__(self, tests: Cases) -> None:
-        self.tests, self.stage, self.next = tests, "start", 0
+    def __init__(self, tests: Cases, settings: Settings) -> None:
+        self.tests, self.settings, self.stage, self.next = tests, settings, "start", 0
         self.outcome: str | None = None
 
     def __call__(self, ev: dict) -> bool:
@@ -217,12 +290,12 @@ class _Judge:
         return self._end("runtime_error")  # an unexpected event: the candidate wrote to the driver's pipe
 
     def _test(self, ev: dict) -> bool:
-        i, t, out = self.next, self.tests, ev.get("out")
+        i, t = self.next, self.tests
         if "error" in ev:
             return self._end("runtime_error")
-        ok = call_equal(out, t.outputs[i]) if t.fn_name else stdio_equal(str(out), t.outputs[i])
-        if not ok:
-            return self._end("wrong_answer")
+        failed = call_failure(ev, t.outputs[i], self.settings) if t.fn_name else None
+        if failed or not t.fn_name and not stdio_equal(str(ev.get("out")), t.outputs[i]):
+            return self._end(failed or "wrong_answer")
         self.next += 1
         return self._end("passed") if self.next == len(t.inputs) else True
 
@@ -243,7 +316,7 @@ _UNJUDGED = {
 
 
 def _run_driver(code: str, tests: Cases, judge: _Judge, s: Settings) -> sandbox.RunResult:
-    """One sandboxed driver run: a JSON header line, then the raw inputs (streamed, never joined)."""
+    """One sandboxed driver run: a JSON header line, then the raw inputs streamed, never joined."""
     sizes = [len(b) for b in tests.encoded]
     header = json.dumps({"code": code, "fn_name": tests.fn_name, "sizes": sizes}).encode() + b"\n"
     return sandbox.run_program(
@@ -262,8 +335,9 @@ def grade(code: str, tests: Cases, settings: Settings | None = None) -> Graded:
     """Run one extracted program on all tests of its problem (stopping at the first failure)."""
     if not code:
         return Graded("no_code")
-    judge = _Judge(tests)
-    res = _run_driver(code, tests, judge, settings or _settings)
+    s = settings or _settings
+    judge = _Judge(tests, s)
+    res = _run_driver(code, tests, judge, s)
     if judge.outcome:
         return Graded(judge.outcome)
     if res.status == "sandbox_error" or judge.stage == "start":  # the candidate never ran: our failure

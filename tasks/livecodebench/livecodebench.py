@@ -6,8 +6,9 @@ picks shards as upstream's `version_tag` does (`release_vN` = shards 1..N, `vN` 
 A..B, `release_latest` all); `start_date <= contest_date <= end_date` then filters (the shards overlap at
 their edges). Prompt (generic chat style: system message + user text), extraction and grading follow
 LiveCodeBench/LiveCodeBench@28fef95 (`lcb_runner/prompts/code_generation.py`, `utils/extraction_utils.py`,
-`evaluation/testing_util.py`); see `grade.py` and `driver.py`. The DeepSeek-R1 protocol (its own raw prompt
-style and date window) is `livecodebench_r1.py`, a module of its own so that each protocol has its VERSION.
+`evaluation/testing_util.py`); see `grade.py`, `driver.py` and `compare.py`. The DeepSeek-R1 protocol (its
+own raw prompt style and date window) is `livecodebench_r1.py`, a module of its own so that each protocol
+has its VERSION.
 
 Generated programs run in `evalkit.sandbox`. The runner applies the `setup` settings of
 conf/task/livecodebench*.yaml with `configure(**setup)` before the model loads and records the dict it
@@ -36,7 +37,9 @@ from tasks.livecodebench.grade import OUTCOMES, Cases, configure, extract_code, 
 
 TASK = "livecodebench"
 VERSION = 1  # what is generated: bump when this task's prompt or data handling changes
-SCORER_VERSION = 2  # how it is graded (2: upstream's stdin patches, guard and argv; whole-program memory cap)
+SCORER_VERSION = 4  # how it is graded (2: upstream's stdin patches, guard and argv; whole-program memory cap;
+# 3: functional answers judged by upstream's `==`; 4: that `==` outside the program's process, so answers of
+# the program's own classes are wrong)
 REPO = "livecodebench/code_generation_lite"
 # Not checked against the hub from here (unreachable): the dataset revision public LiveCodeBench pins record
 # (e.g. beside lcb_runner@28fef95 and test6.jsonl, 175 problems).

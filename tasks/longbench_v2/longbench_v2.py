@@ -26,7 +26,8 @@ from evalkit.task import (
 )
 
 VERSION = 1  # bump when the prompt or data handling changes (the generations change)
-SCORER_VERSION = 1  # bump when extraction or scoring changes: finished runs re-score from their journals
+SCORER_VERSION = 2  # bump when extraction or scoring changes: finished runs re-score from their journals
+# (2: compensated per easy/hard/short/medium/long bucket, as result.py)
 TASK = "longbench_v2"
 REPO = "THUDM/LongBench-v2"
 # Not checked against the hub from here (unreachable): this revision and the sha256/size of its data.json
@@ -169,7 +170,8 @@ def cot_followup(sample: Sample, first_output: str) -> Sample:
 
 def score(predictions: list[str], sample: Sample) -> dict[str, float]:
     """Percent correct over the k predictions, under the overall key and the sample's two buckets.
-    `compensated` gives 25 for an unanswered prediction (result.py's compensated=True, paper Table 5)."""
+    `compensated` gives 25 for an unanswered prediction (result.py's compensated=True, paper Table 5), in the
+    overall figure and in each bucket, as result.py adds that `acc = 0.25` to every column it counts in."""
     if not predictions:
         raise ValueError(f"{sample.id}: no predictions to score")
     preds = [extract_answer(p) for p in predictions]
@@ -182,6 +184,8 @@ def score(predictions: list[str], sample: Sample) -> dict[str, float]:
         f"accuracy/{difficulty}": acc,
         f"accuracy/{length}": acc,
         "compensated": acc + no_answer / 4,
+        f"compensated/{difficulty}": acc + no_answer / 4,
+        f"compensated/{length}": acc + no_answer / 4,
         "no_answer": no_answer,
     }
 

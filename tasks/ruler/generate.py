@@ -89,18 +89,46 @@ def search(total: Callable[[int], int], limit: int, lo: int, hi: int) -> int | N
     return best
 
 
+# Upstream redraws at the smallest haystack for ever; evalkit gives up after this many draws there.
+FLOOR_DRAWS = 1000
+
+
+class SizingError(ValueError):
+    """No sample of a task fits its length; `generate_task` names the task, the length and the fix."""
+
+
 def fit(make: Callable[[int], Draw], total: Callable[[Draw], int], limit: int, size: int, step: int):
-    """Draw at `size`, shrinking by `step` until it fits: (draw, its total tokens)."""
+    """Upstream's per-sample loop (e.g. scripts/data/synthetic/qa.py `generate_samples`):
+
+        while(True):
+            try:
+                input_text, answer = generate_input_output(index + args.pre_samples, used_docs)
+                length = len(TOKENIZER.text_to_tokens(input_text)) + tokens_to_generate
+                assert length <= max_seq_length, f"{length} exceeds max_seq_length."
+                break
+            except:
+                if used_docs > incremental:
+                    used_docs -= incremental
+
+    A draw that does not fit, or cannot be made at this size (fewer documents than the question's gold ones:
+    `random.sample` raises, which the bare `except` takes as not fitting), shrinks the haystack by `step`
+    while it is above `step`, then is drawn again at that size, with fresh random picks, until one fits.
+    Returns (draw, its total tokens); raises SizingError after FLOOR_DRAWS failed draws at the floor."""
+    failed, why = 0, None
     while True:
-        draw = make(size)
-        if (t := total(draw)) <= limit:
+        try:
+            draw = make(size)
+        except ValueError as e:  # upstream's bare except: `random.sample` on too small a population
+            draw, why = None, e
+        if draw is not None and (t := total(draw)) <= limit:
             return draw, t
-        # deviation: upstream retries forever once it cannot shrink further; fail instead.
-        if size <= step:
-            raise RuntimeError(
-                f"RULER: no sample fits in {limit} tokens even at the smallest haystack {size}"
-            )
-        size -= step
+        if size > step:
+            size -= step
+            continue
+        failed += 1
+        if failed == FLOOR_DRAWS:
+            reason = f"cannot be drawn ({why})" if draw is None else f"the last one needs {t} tokens"
+            raise SizingError(f"{FLOOR_DRAWS} draws at the smallest haystack ({size}) fit none: {reason}")
 
 
 def estimate_hi(ctx: Ctx, draw: Draw, size: int) -> int:
@@ -395,7 +423,13 @@ def generate_task(
     rendered with `template` (RULER's model template, `{prompt}` slot) or, when None, the chat template."""
     spec = TASKS[task]
     ctx = Ctx(tokenizer, length, seed, data, template)
-    rows = GENERATORS[spec.generator](ctx, spec, n)
+    try:
+        rows = GENERATORS[spec.generator](ctx, spec, n)
+    except SizingError as e:
+        raise SizingError(
+            f"RULER {task} has no sample that fits in {length} tokens ({e}): use a larger length "
+            f"(task.load.lengths) or leave {task} out (task.load.tasks)"
+        ) from None
     ttg = spec.tokens_to_generate
     extra = {} if ctx.template is None else {TEMPLATE_KEY: ctx.template}  # the evalkit model renders with it
     return [
