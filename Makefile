@@ -38,7 +38,7 @@ eval: $(STAMP) ## Evaluate: make eval [TASK=ruler MODEL=smollm2_135m METHOD=snap
 sweep: $(STAMP) ## Run a sweep config from conf/sweep: make sweep SWEEP=ruler_budgets [ARGS=...]
 	$(PY) -m evalkit sweep=$(SWEEP) $(ARGS)
 
-leaderboard: $(STAMP) ## Collect results/runs/**/metrics.json into results/leaderboard*.csv and plots
+leaderboard: $(STAMP) ## Every run side by side: make leaderboard [ARGS="results_dir=results/quick"] -> leaderboard*.csv, plots/
 	$(PY) -m evalkit.leaderboard $(ARGS)
 
 report: $(STAMP) ## Deployment report: compressed vs full on the same samples, verdicts, memory -> results/report/

@@ -306,7 +306,7 @@ def plot(runs: list[Run], out_dir: Path) -> list[Path]:
         fig, axes = plt.subplots(1, len(pans), figsize=(6 * len(pans), 4.2), sharey=True, squeeze=False)
         for ax, pan in zip(axes[0], pans):
             budgets = sorted({b for pts in pan["lines"].values() for b, *_ in pts})
-            for i, (label, mean, se, n) in enumerate(pan["full"]):
+            for label, mean, se, _n in pan["full"]:
                 ax.axhline(mean, color="black", ls="--", label=f"{label} (no budget): {mean:.2f} ± {se:.2f}")
                 ax.axhspan(mean - se, mean + se, color="black", alpha=0.06)
             for label, pts in pan["lines"].items():
