@@ -312,7 +312,9 @@ data, same generation settings): `diff` is compressed - full in points, with its
 means the CI's lower bound is above -delta: with 95% confidence the cache costs less than delta points.
 `worse` means the CI lies below 0. `inconclusive` means the data cannot tell: the last column says how many
 paired problems would decide at the observed variance (in all, and how many more). A verdict needs at least
-`min_problems` paired problems; identical results on every problem get an exact bound, not a zero-width CI."""
+`min_problems` paired problems (a CI from fewer is marked †); identical results on every problem get an exact
+bound, not a zero-width CI. KV bytes, max batch and tok/s gains are modelled: the batch and gain are
+memory-bound upper bounds, not measured speed; kept/seen, peak KV bytes and a bench speedup are measured."""
 
 
 def markdown(rep: Report, plots: dict) -> str:
@@ -377,7 +379,7 @@ def forest(head: pd.DataFrame, title: str, path: Path, confidence: float = 0.95)
     _save(fig, path)
 
 
-def pareto(head: pd.DataFrame, title: str, path: Path) -> None:
+def pareto(head: pd.DataFrame, title: str, path: Path, kv_dtype: str = "bfloat16") -> None:
     """Headline score (on the paired problems) against KV bytes per sequence; non-inferior points filled."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
     if "kv_bytes_seq_full" in head and not head.kv_bytes_seq_full.isna().all():
@@ -419,7 +421,7 @@ def pareto(head: pd.DataFrame, title: str, path: Path) -> None:
     ax.xaxis.set_minor_formatter(plain)
     ax.tick_params(axis="x", which="minor", labelsize=7)
     ax.set(
-        xlabel="KV cache per sequence (MiB, modelled by evalkit.memory)",
+        xlabel=f"KV cache per sequence (MiB in {kv_dtype}, modelled by evalkit.memory)",
         ylabel=f"{head.metric.iloc[0]} (paired problems)",
         title=title,
     )
@@ -443,11 +445,7 @@ def write_plots(rep: Report, out: Path) -> dict:
             paths["forest"],
             rep.settings.stats.confidence,
         )
-        pareto(
-            rows,
-            f"{task} / {model} ({n} paired problems): {metric} vs KV memory ({kv}, modelled)",
-            paths["pareto"],
-        )
+        pareto(rows, f"{task} / {model} ({n} paired problems): {metric} vs KV memory", paths["pareto"], kv)
         plots[(model, task)] = paths
     return plots
 
