@@ -126,8 +126,10 @@ def _leaves(node, prefix: str = "") -> list[str]:
 def check_overrides(overrides: list[str]) -> None:
     """A `group.key=value` (or top-level `key=value`) override naming a setting the chosen conf lacks raises
     ConfigError listing the valid settings. Group choices Hydra itself rejects (`task=nope`), `+`/`~`
-    overrides, `hydra.*` keys and groups chosen by a sweep (several values) are left to Hydra and the runner."""
-    pairs = [o.split("=", 1) for o in overrides if "=" in o and not o.startswith(("-", "+", "~", "hydra."))]
+    overrides, `hydra*` keys, nested group choices (`hydra/launcher=slurm`) and groups chosen by a sweep
+    (several values) are left to Hydra and the runner."""
+    pairs = [o.split("=", 1) for o in overrides if "=" in o and not o.startswith(("-", "+", "~", "hydra"))]
+    pairs = [(k, v) for k, v in pairs if "/" not in k and "@" not in k]  # `hydra/launcher=...`: group choices
     chosen = {k: v for k, v in pairs if k in (*GROUPS, "sweep")}
     if not any("." in k or k not in chosen for k, _ in pairs):
         return  # only group choices: nothing to look up

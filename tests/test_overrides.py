@@ -52,6 +52,7 @@ def test_unknown_setting_lists_the_valid_ones(overrides, message):
         ["task=nope", "task.x=1"],  # Hydra names the valid task choices
         ["-m", "method=full,snapstream", "method.sink=3"],  # each job's method is checked by the runner
         ["+method.recnet=3", "hydra.job.chdir=false"],  # added keys: the runner refuses those itself
+        ["-m", "sweep=ruler_budgets", "hydra/launcher=local_parallel", "hydra.launcher.n_jobs=2"],
     ],
 )
 def test_known_settings_and_others_checks_pass(overrides):
