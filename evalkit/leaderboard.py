@@ -303,7 +303,9 @@ def plot(runs: list[Run], out_dir: Path) -> list[Path]:
     paths = []
     for (task, model), pans in panels(runs).items():
         head = next(r.headline for r in runs if (r.task, r.model) == (task, model))
-        fig, axes = plt.subplots(1, len(pans), figsize=(6 * len(pans), 4.2), sharey=True, squeeze=False)
+        fig, axes = plt.subplots(
+            1, len(pans), figsize=(max(7.0, 6 * len(pans)), 4.6), sharey=True, squeeze=False
+        )
         for ax, pan in zip(axes[0], pans):
             budgets = sorted({b for pts in pan["lines"].values() for b, *_ in pts})
             for label, mean, se, _n in pan["full"]:
@@ -322,7 +324,8 @@ def plot(runs: list[Run], out_dir: Path) -> list[Path]:
             ax.legend(fontsize=8)
         axes[0][0].set_ylabel(f"{head} (mean; bars and band: ± 1 s.e.)")
         fig.suptitle(
-            f"{task}: {head} against the KV budget, {_model_title([r for r in runs if r.model == model])}"
+            f"{task}: {head} against the KV budget\n{_model_title([r for r in runs if r.model == model])}",
+            fontsize=10,
         )
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{task}_{model}.png"
