@@ -15,7 +15,7 @@ OVERRIDES := $(if $(TASK),task=$(TASK)) $(if $(MODEL),model=$(MODEL)) $(if $(MET
              $(if $(BUDGET),method.budget=$(BUDGET)) $(ARGS)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup eval sweep leaderboard report memory-report bench test test-gpu test-slow lint format gpu-check clean
+.PHONY: help setup quick eval sweep leaderboard report memory-report bench test test-gpu test-slow lint format gpu-check clean
 
 help: ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -32,13 +32,23 @@ $(STAMP): requirements.txt pyproject.toml
 
 setup: $(STAMP) ## Create .venv from the pinned requirements (done automatically by every target)
 
+# The quick path: 6 RULER problems (one per task at 1k tokens) in a folder of their own, never mixed with a
+# default run; a smoke check of the whole flow (6 problems are too few for a deployable verdict).
+QUICK_DIR := results/quick
+QUICK     := 'task.load.n=1' 'task.load.lengths=[1024]' results_dir=$(QUICK_DIR) $(if $(MODEL),model=$(MODEL))
+
+quick: $(STAMP) ## Compressed + full + report on 6 RULER problems -> results/quick/ [METHOD=snapstream BUDGET=256]
+	$(PY) -m evalkit $(QUICK) $(if $(METHOD),method=$(METHOD)) $(if $(BUDGET),method.budget=$(BUDGET))
+	$(PY) -m evalkit $(QUICK) method=full
+	$(PY) -m evalkit.report results_dir=$(QUICK_DIR)
+
 eval: $(STAMP) ## Evaluate: make eval [TASK=ruler MODEL=smollm2_135m METHOD=snapstream BUDGET=256 ARGS="k=v ..."]
 	$(PY) -m evalkit $(OVERRIDES)
 
 sweep: $(STAMP) ## Run a sweep config from conf/sweep: make sweep SWEEP=ruler_budgets [ARGS=...]
 	$(PY) -m evalkit sweep=$(SWEEP) $(ARGS)
 
-leaderboard: $(STAMP) ## Collect results/runs/**/metrics.json into results/leaderboard*.csv and plots
+leaderboard: $(STAMP) ## Every run side by side: make leaderboard [ARGS="results_dir=results/quick"] -> leaderboard*.csv, plots/
 	$(PY) -m evalkit.leaderboard $(ARGS)
 
 report: $(STAMP) ## Deployment report: compressed vs full on the same samples, verdicts, memory -> results/report/

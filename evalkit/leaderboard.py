@@ -3,14 +3,18 @@
 Reads only fields stored inside each metrics.json and samples.jsonl (never meaning parsed from paths); runs
 no model. Every distinct configuration (method settings, task version, scorer version, data, generation
 identity) is its own labelled row or column: nothing is ever averaged across configurations.
-    results/leaderboard.csv       long: one row per (run, metric, subset), with the paired columns of the
-                                  report (difference to the full run on the same samples, CI, p, verdict)
-    results/leaderboard_wide.csv  headline score per configuration row and budget column, and per budget
+    results/leaderboard.csv       long: one row per (run, metric, subset), each run's headline row first and
+                                  flagged (`headline`), with the run's KV bytes, wall time and output tokens,
+                                  and the paired columns of the report (difference to the full run on the
+                                  same samples, CI, p, verdict)
+    results/leaderboard_wide.csv  headline score and n per configuration row and budget column, and per budget
                                   the paired difference to `full`, its CI, p-value and verdict
-    results/plots/<task>_<model>.png   headline score vs budget, one line per configuration, `full` dashed
-A metrics.json that cannot be read is skipped with a warning naming it. Paired statistics use the
-settings of conf/report.yaml, so the leaderboard and `make report` agree.
-Usage: `python -m evalkit.leaderboard [results_dir]`.
+    results/plots/<task>_<model>.png   headline score vs budget, one panel per problem set, one line per
+                                  configuration, `full` dashed
+Figures are rounded to fixed decimals (DECIMALS); a missing value is an empty cell, never NaN. A metrics.json
+that cannot be read is skipped with a warning naming it. Paired statistics use the settings of
+conf/report.yaml, so the leaderboard and `make report` agree.
+Usage: `python -m evalkit.leaderboard [results_dir=]<folder>` (default: results).
 """
 
 from __future__ import annotations
@@ -54,8 +58,20 @@ PAIRED = [
     "margin",
     "verdict",
 ]
+# the run's own figures, repeated on each of its rows (metrics.json: kv.*, generation.*)
+RUN_FIGURES = ["measured_compression", "kv_peak_bytes", "wall_time_s", "mean_output_tokens"]
 LONG_COLUMNS = (
-    LABELS + ["metric", "subset", "measured_compression", "score", "stderr", "n", "git_sha"] + PAIRED
+    LABELS + ["headline", "metric", "subset", "score", "stderr", "n"] + RUN_FIGURES + ["git_sha"] + PAIRED
+)
+# Fixed decimals per column: scores and differences in points, p-values, ratios, seconds, tokens.
+POINTS = ("score", "stderr", "paired_diff", "ci_low", "ci_high", "margin", "full", "vs_full")
+DECIMALS = (
+    {c: 2 for c in POINTS}
+    | {"p_value": 4, "p": 4, "measured_compression": 4}
+    | {
+        "wall_time_s": 1,
+        "mean_output_tokens": 1,
+    }
 )
 WIDE_INDEX = [
     "model",
@@ -90,8 +106,12 @@ def labels(run: Run) -> dict:
 def long_rows(run: Run, pairing=None) -> list[dict]:
     """One row per score key (`metric/subset`), plus mean output tokens; paired columns where paired."""
     m = run.metrics
+    kv, gen = m.get("kv") or {}, m.get("generation") or {}
     base = labels(run) | {
-        "measured_compression": (m.get("kv") or {}).get("compression_ratio"),
+        "measured_compression": kv.get("compression_ratio"),
+        "kv_peak_bytes": kv.get("peak_bytes"),
+        "wall_time_s": gen.get("wall_time_s"),
+        "mean_output_tokens": gen.get("mean_output_tokens"),
         "git_sha": (m.get("provenance") or {}).get("git_sha"),
     }
     rows = []
@@ -104,24 +124,13 @@ def long_rows(run: Run, pairing=None) -> list[dict]:
         rows.append(
             {
                 **base,
+                "headline": key == run.headline,
                 "metric": metric,
                 "subset": subset or "all",
                 "score": v["mean"],
                 "stderr": v.get("stderr"),
                 "n": v.get("n"),
                 **paired,
-            }
-        )
-    gen = m.get("generation") or {}
-    if gen.get("mean_output_tokens") is not None:
-        rows.append(
-            {
-                **base,
-                "metric": "output_tokens",
-                "subset": "all",
-                "score": gen["mean_output_tokens"],
-                "stderr": None,
-                "n": gen.get("requests"),
             }
         )
     return rows
@@ -131,10 +140,39 @@ def long_table(runs: list[Run], pairings: dict) -> pd.DataFrame:
     df = pd.DataFrame(
         [r for run in runs for r in long_rows(run, pairings.get(run.rel))], columns=LONG_COLUMNS
     )
-    df["budget"] = df["budget"].astype("Int64")
-    return df.sort_values(
-        ["model", "task", "metric", "subset", "method", "settings", "budget", "run"], na_position="first"
-    ).reset_index(drop=True)
+    for c in ("budget", "n", "kv_peak_bytes", "n_paired"):
+        df[c] = df[c].astype("Int64")
+    # run by run (full first), each run's headline row first, then its breakdown keys
+    df["_rest"] = ~df["headline"].astype(bool)
+    order = ["model", "task", "method", "settings", "budget", "run", "_rest", "metric", "subset"]
+    df = df.sort_values(order, na_position="first", key=_full_first).drop(columns="_rest")
+    return df.reset_index(drop=True)
+
+
+def _full_first(col: pd.Series) -> pd.Series:
+    return col.map(lambda v: "" if v == "full" else v) if col.name == "method" else col
+
+
+def rounded(df: pd.DataFrame) -> pd.DataFrame:
+    """Fixed decimals per column (DECIMALS; per-budget wide columns by their suffix)."""
+    out = df.copy()
+    for c in out.columns:
+        suffix = str(c).split("_", 1)[1] if str(c)[:1].isdigit() and "_" in str(c) else str(c)
+        places = DECIMALS.get(str(c), DECIMALS.get(suffix, 2 if str(c).isdigit() else None))
+        if places is None:
+            continue
+        if out[c].dtype == object:  # a pivot of mixed columns: numbers held as objects
+            try:
+                out[c] = pd.to_numeric(out[c]).astype(float)
+            except (ValueError, TypeError):
+                continue
+        if pd.api.types.is_float_dtype(out[c]):
+            out[c] = [("" if pd.isna(v) else f"{v:.{places}f}") for v in out[c]]
+    return out
+
+
+def to_csv(df: pd.DataFrame) -> str:
+    return rounded(df).to_csv(index=False, na_rep="")
 
 
 def _headline_records(runs: list[Run], pairings: dict) -> pd.DataFrame:
@@ -142,16 +180,18 @@ def _headline_records(runs: list[Run], pairings: dict) -> pd.DataFrame:
     for run in runs:
         p = pairings.get(run.rel)
         cell = p.cells.get(run.headline, {}) if p else {}
-        score = run.metrics["scores"].get(run.headline, {}).get("mean")
-        full = p.full.metrics["scores"].get(run.headline, {}).get("mean") if p else None
+        score = run.metrics["scores"].get(run.headline, {})
+        full = p.full.metrics["scores"].get(run.headline, {}) if p else {}
         recs.append(
             {
                 **{k: v for k, v in labels(run).items() if k in WIDE_INDEX},
                 "metric": run.headline,
                 "budget": run.budget,
                 "run": run.rel,
-                "score": score,
-                "full": score if run.is_full else full,
+                "score": score.get("mean"),
+                "n": score.get("n"),
+                "full": (score if run.is_full else full).get("mean"),
+                "full_n": (score if run.is_full else full).get("n"),
                 **{c: cell.get(c) for c in PER_BUDGET},
             }
         )
@@ -170,64 +210,123 @@ def wide_table(runs: list[Run], pairings: dict) -> pd.DataFrame:
     if not runs:
         return pd.DataFrame(columns=WIDE_INDEX + ["full"])
     df = _headline_records(runs, pairings)
-    fulls = df[df.method == "full"][WIDE_INDEX + ["full"]]
+    fulls = df[df.method == "full"][WIDE_INDEX + ["full", "full_n"]]
     comp = df[df.method != "full"]
     if comp.empty:
         return fulls.reset_index(drop=True)
-    values = ["score", *PER_BUDGET]
+    values = ["score", "n", *PER_BUDGET]
     wide = comp.pivot(
         index=WIDE_INDEX, columns="budget", values=values
     )  # raises on duplicates: never averages
     out = wide.index.to_frame(index=False)
-    out["full"] = comp.groupby(WIDE_INDEX, sort=True)["full"].first().to_numpy()
+    for c in ("full", "full_n"):
+        out[c] = comp.groupby(WIDE_INDEX, sort=True)[c].first().to_numpy()
     for b in sorted(wide.columns.get_level_values("budget").unique()):
         out[str(int(b))] = wide[("score", b)].to_numpy()
+        out[f"{int(b)}_n"] = wide[("n", b)].to_numpy()
         for col, suffix in PER_BUDGET.items():
             out[f"{int(b)}_{suffix}"] = wide[(col, b)].to_numpy()
     out = pd.concat([fulls, out], ignore_index=True)
-    for c in ("task_version", "scorer_version"):
+    for c in ["task_version", "scorer_version", "full_n"] + [c for c in out if str(c).endswith("_n")]:
         out[c] = pd.to_numeric(out[c], errors="coerce").astype("Int64")
     return out.sort_values(["model", "task", "task_version", "generation", "method", "settings"]).reset_index(
         drop=True
     )
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
+
+
+def _set_labels(sets: dict[str, list[Run]]) -> dict[str, str]:
+    """Each problem set named by what differs from the others (`task.load.n=1, n=6`), never by a hash alone:
+    run settings from the recorded config (method settings left out: those are the lines), else data/version."""
+    first = {g: rs[0] for g, rs in sets.items()}
+    flat = {g: _flat(r.config) for g, r in first.items()}
+    keys = sorted({k for f in flat.values() for k in f if not k.startswith(("method.", "results_dir"))})
+    differ = [k for k in keys if len({repr(f.get(k)) for f in flat.values()}) > 1]
+    out = {}
+    for g, r in first.items():
+        parts = [f"{k}={flat[g].get(k)}" for k in differ]
+        if not parts and len(sets) > 1:  # same recorded config: the data or the task version differs
+            parts = [f"task_version {r.metrics.get('task_version')}, data {str(labels(r)['data_hash'])[:8]}"]
+        out[g] = ", ".join(parts + [f"{r.metrics.get('n', '?')} problems"])
+    return out
+
+
+def panels(runs: list[Run]) -> dict[tuple[str, str], list[dict]]:
+    """What the plots draw, per (task, model): one panel per problem set (generation identity: other problems
+    or generation settings are never joined by a line), each {title, full: [(label, mean, se, n)], lines:
+    {label: [(budget, mean, se)]}}; lines are labelled by method and its settings."""
+    groups: dict[tuple, dict[str, list[Run]]] = {}
+    for r in runs:
+        if r.headline in r.metrics["scores"]:
+            groups.setdefault((r.task, r.model), {}).setdefault(str(r.identity["generation"]), []).append(r)
+    out = {}
+    for key, sets in sorted(groups.items()):
+        names = _set_labels(sets)
+        out[key] = []
+        for gen, rs in sorted(sets.items(), key=lambda kv: names[kv[0]]):
+            panel = {"title": names[gen], "full": [], "lines": {}}
+            for r in sorted(rs, key=lambda r: (r.method, r.settings, r.budget or 0)):
+                v = r.metrics["scores"][r.headline]
+                label = _config(r.method, r.settings)
+                if r.is_full:
+                    panel["full"].append((label, v["mean"], v.get("stderr") or 0.0, v.get("n")))
+                else:
+                    panel["lines"].setdefault(label, []).append((r.budget, v["mean"], v.get("stderr") or 0.0))
+            out[key].append(panel)
+    return out
+
+
+def _config(method: str, settings: str) -> str:
+    return method if settings == "default" else f"{method} {settings}"
+
+
+def _model_title(rs: list[Run]) -> str:
+    m = rs[0].metrics["model"]
+    return f"{m['name']} ({m.get('dtype', '?')} weights; hardware not recorded by the run)"
+
+
 def plot(runs: list[Run], out_dir: Path) -> list[Path]:
-    """Headline vs budget per (task, model): a line per (method, settings, generation identity)."""
+    """Headline vs budget per (task, model): a panel per problem set, a line per (method, settings), error
+    bars of one standard error, the budgets as plain numbers on a log2 axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
     paths = []
-    groups: dict[tuple, list[Run]] = {}
-    for r in runs:
-        groups.setdefault((r.task, r.model), []).append(r)
-    for (task, model), rs in sorted(groups.items()):
-        head = rs[0].headline
-        several = len({r.identity["generation"] for r in rs}) > 1  # then say which identity a line is
-        fig, ax = plt.subplots(figsize=(6, 4))
-        lines: dict[tuple, list] = {}
-        for r in rs:
-            if head in r.metrics["scores"]:
-                lines.setdefault((r.method, r.settings, r.identity["generation"]), []).append(r)
-        for (method, sett, gen), members in sorted(lines.items(), key=lambda kv: tuple(map(str, kv[0]))):
-            label = (
-                method + ("" if sett == "default" else f" {sett}") + (f" [{str(gen)[:6]}]" if several else "")
-            )
-            scores = [
-                (r.budget, r.metrics["scores"][head]["mean"], r.metrics["scores"][head].get("stderr") or 0)
-                for r in members
-            ]
-            if method == "full":
-                ax.axhline(scores[0][1], color="black", linestyle="--", label=label)
-                continue
-            xs, ys, es = zip(*sorted(scores))
-            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label)
-        ax.set_xscale("log", base=2)
-        ax.set(xlabel="budget (KV entries per layer and head)", ylabel=head, title=f"{task} - {model}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    for (task, model), pans in panels(runs).items():
+        head = next(r.headline for r in runs if (r.task, r.model) == (task, model))
+        fig, axes = plt.subplots(
+            1, len(pans), figsize=(max(7.0, 6 * len(pans)), 4.6), sharey=True, squeeze=False
+        )
+        for ax, pan in zip(axes[0], pans):
+            budgets = sorted({b for pts in pan["lines"].values() for b, *_ in pts})
+            for label, mean, se, _n in pan["full"]:
+                ax.axhline(mean, color="black", ls="--", label=f"{label} (no budget): {mean:.2f} ± {se:.2f}")
+                ax.axhspan(mean - se, mean + se, color="black", alpha=0.06)
+            for label, pts in pan["lines"].items():
+                xs, ys, es = zip(*sorted(pts))
+                ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label)
+            if budgets:
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(budgets, [str(b) for b in budgets])
+                ax.xaxis.set_minor_locator(NullLocator())
+                ax.set_xlim(budgets[0] / 1.5, budgets[-1] * 1.5)  # one point: no empty decades around it
+            ax.set(xlabel="budget (KV entries per layer and KV head)", title=pan["title"])
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        axes[0][0].set_ylabel(f"{head} (mean; bars and band: ± 1 s.e.)")
+        fig.suptitle(
+            f"{task}: {head} against the KV budget\n{_model_title([r for r in runs if r.model == model])}",
+            fontsize=10,
+        )
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{task}_{model}.png"
         fig.tight_layout()
@@ -245,8 +344,8 @@ def build(results_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, list[Path]]:
         log.warning("not paired: %s", problem)
     pairings = {p.compressed.rel: p for p in found}
     long, wide = long_table(runs, pairings), wide_table(runs, pairings)
-    atomic_write(results_dir / "leaderboard.csv", long.to_csv(index=False, float_format="%.6g"))
-    atomic_write(results_dir / "leaderboard_wide.csv", wide.to_csv(index=False, float_format="%.6g"))
+    atomic_write(results_dir / "leaderboard.csv", to_csv(long))
+    atomic_write(results_dir / "leaderboard_wide.csv", to_csv(wide))
     return long, wide, plot(runs, results_dir / "plots")
 
 
@@ -257,10 +356,17 @@ def main(argv: list[str] | None = None) -> None:
         "(paired statistics with the settings of conf/report.yaml).",
     )
     parser.add_argument(
-        "results_dir", nargs="?", default="results", help="folder holding runs/ (default: results)"
+        "results_dir",
+        nargs="?",
+        default="results",
+        help="folder holding runs/, as `results_dir=<folder>` (like make eval and make report) or bare "
+        "(default: results)",
     )
     args = parser.parse_args(argv)
-    results_dir = Path(args.results_dir)
+    folder = args.results_dir.removeprefix("results_dir=")
+    if "=" in folder:
+        parser.error(f"unknown setting {folder.split('=')[0]!r}: the only one is results_dir=<folder>")
+    results_dir = Path(folder)
     if not (results_dir / "runs").is_dir():
         parser.error(
             f"no runs under {results_dir / 'runs'}: run `make eval` first, or name another results_dir"
@@ -276,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
             or c.isdigit()
             or c.endswith(("_vs_full", "_verdict"))
         ]
-        print(wide[show].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+        print(wide[show].to_string(index=False, float_format=lambda v: f"{v:.2f}", na_rep="-"))
     print(
         f"wrote {results_dir}/leaderboard.csv, leaderboard_wide.csv and {len(plots)} plot(s) in {results_dir}/plots"
     )

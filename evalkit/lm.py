@@ -19,7 +19,6 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 from transformers import GenerationConfig
@@ -181,8 +180,7 @@ def journaled(journal, prompt: Prompt) -> dict | None:
     return done
 
 
-@register_model("evalkit")
-class EvalkitLM(HFLM):
+class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.CliLM (lm_eval_plugin.py)
     """HFLM whose generations run through `evalkit.kv.KVCache(method)`."""
 
     # Decode a prompt's budgets (`also`) as rows of one batch; the bench turns it off to measure what it buys

@@ -2,15 +2,51 @@
 
 lm-eval 0.4 has no plugin discovery for models, so `make setup` writes `evalkit-lm-eval.pth` into the venv,
 whose one line imports this module at interpreter start. It costs nothing until lm-eval itself is imported:
-only then (an import hook on `lm_eval.api.registry`) is "evalkit" registered, lazily, as `evalkit.lm:EvalkitLM`,
-beside lm-eval's own models.
+only then (an import hook on `lm_eval.api.registry`) is "evalkit" registered, lazily, as
+`evalkit.lm_eval_cli:CliLM` (evalkit's LM, which also puts its KV figures into lm-eval's results JSON), beside
+lm-eval's own models. lm-eval's warnings about evalkit's own tasks that say nothing wrong are dropped here
+(QUIET; docs/lm-eval.md lists every warning and why); warnings about other tasks are untouched.
 """
 
 import importlib.abc
 import importlib.machinery
+import logging
 import sys
 
 TARGET = "lm_eval.api.registry"
+
+# (logger, message prefix, phrase): a record of that logger starting with the prefix and holding the phrase is
+# dropped. Only evalkit's tasks (`evalkit_*`) match.
+QUIET = [
+    # breakdown keys (`score/<subset>`) are means over their subset, which is lm-eval's default
+    ("lm_eval.evaluator_utils", "[evalkit_", "No aggregation function defined for metric"),
+    # a breakdown key scores only its subset's documents by design, and no evalkit task is in an lm-eval group:
+    # there is no group score to over-weight (`score` itself covers every document)
+    ("lm_eval.evaluator_utils", "[evalkit_", "over-weighted in the group score"),
+    # advice to use --metadata, which docs/lm-eval.md gives with evalkit's keys
+    ("lm_eval.api.task", "evalkit_", "Custom kwargs can be passed to `--metadata`"),
+]
+
+
+class QuietFilter(logging.Filter):
+    def __init__(self, rules: list[tuple[str, str]]):
+        super().__init__()
+        self.rules = rules
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not any(msg.startswith(prefix) and phrase in msg for prefix, phrase in self.rules)
+
+
+def quiet() -> None:
+    """Attach the QUIET rules to their loggers (once; a logger's filters see only its own records)."""
+    by_logger: dict[str, list] = {}
+    for name, prefix, phrase in QUIET:
+        by_logger.setdefault(name, []).append((prefix, phrase))
+    for name, rules in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, QuietFilter) for f in logger.filters):
+            logger.addFilter(QuietFilter(rules))
 
 
 class _Loader(importlib.abc.Loader):
@@ -25,7 +61,8 @@ class _Loader(importlib.abc.Loader):
         sys.modules[TARGET] = module
         import lm_eval.models  # noqa: F401  lm-eval's own lazy entries first (it imports them only if empty)
 
-        module.model_registry.register("evalkit", target="evalkit.lm:EvalkitLM")
+        module.model_registry.register("evalkit", target="evalkit.lm_eval_cli:CliLM")
+        quiet()
 
 
 class _Finder(importlib.abc.MetaPathFinder):

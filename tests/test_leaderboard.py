@@ -54,7 +54,7 @@ def test_task_versions_are_separate_rows_each_against_its_own_full(tmp_path):
     assert pd.api.types.is_numeric_dtype(wide["full"])  # numbers, not "0    100.0\n1    0.0 ..." text
     snap = wide[wide.method == "snapstream"].set_index("task_version")
     assert snap.loc[1, "full"] == 100.0 and snap.loc[1, "256"] == 90.0
-    assert snap.loc[2, "full"] == 0.0 and snap.loc[2, "256"] == pytest.approx(100 / 30)
+    assert snap.loc[2, "full"] == 0.0 and snap.loc[2, "256"] == round(100 / 30, 2)  # CSVs hold 2 decimals
     assert len(wide[wide.method == "full"]) == 2
 
 
@@ -120,13 +120,13 @@ def test_paired_columns_come_from_the_report(tmp_path):
     runs, _ = load_runs(tmp_path)
     cells = pair(runs[1], runs[0], report_settings()).cells["score"]
     row = long[(long.method == "snapstream") & (long.metric == "score") & (long.subset == "all")].iloc[0]
-    csv = {"rel": 1e-5}  # the CSVs keep 6 significant digits
-    assert row.paired_diff == pytest.approx(100 * (27 - 29) / 29, **csv)  # over the 29 shared samples
-    assert row.paired_diff != pytest.approx(row.score - 100 * 29 / 30, **csv)  # not the unpaired gap
+    # the CSVs hold fixed decimals (leaderboard.DECIMALS): points to 2, p-values to 4, each exactly rounded
+    assert row.paired_diff == round(100 * (27 - 29) / 29, 2)  # over the 29 shared samples
+    assert row.paired_diff != round(100 * 27 / 29 - 100 * 29 / 30, 2)  # not the unpaired gap
     assert (row.ci_low, row.ci_high, row.p_value, row.verdict, row.n_paired) == (
-        pytest.approx(cells["ci_low"], **csv),
-        pytest.approx(cells["ci_high"], **csv),
-        pytest.approx(cells["p_value"], **csv),
+        round(cells["ci_low"], 2),
+        round(cells["ci_high"], 2),
+        round(cells["p_value"], 4),
         cells["verdict"],
         29,
     )
@@ -202,3 +202,102 @@ def test_breakdown_rows_carry_their_own_paired_cell(tmp_path):
         assert r.ci_low <= r.paired_diff <= r.ci_high, r
     w = wide[wide.method == "snapstream"].iloc[0]
     assert w["256_ci_low"] <= w["256_vs_full"] <= w["256_ci_high"] and w["256_ci_low"] < w["256_ci_high"]
+
+
+def _retag(results: Path, n: int) -> None:
+    """Record `task.load.n=<n>` in every run's config under results/runs, as a run with that setting would."""
+    for path in (results / "runs").rglob("metrics.json"):
+        m = json.loads(path.read_text())
+        m["provenance"]["config"]["task"]["load"]["n"] = n
+        m["identity"]["generation"] = f"{m['identity']['generation']}-n{n}"  # the setting is in the identity
+        path.write_text(json.dumps(m))
+
+
+def test_long_csv_leads_each_run_with_its_flagged_headline_and_carries_its_figures(tmp_path):
+    rows = [
+        sample_row(f"s{i}", [{"score": 100.0 * (i % 3 == 0), "score/a": 100.0 * (i % 3 == 0)}])
+        for i in range(9)
+    ]
+    write_run(tmp_path, rows, method="full", budget=None)
+    write_run(tmp_path, rows, budget=256)
+    long, wide = read(tmp_path)
+    firsts = long.groupby("run", sort=False).head(1)
+    assert firsts.headline.all() and (firsts.metric == "score").all() and (firsts.subset == "all").all()
+    assert long.headline.sum() == 2 and "output_tokens" not in set(long.metric)
+    assert long.loc[0, "method"] == "full"  # the reference first
+    m = json.loads(next((tmp_path / "runs").rglob("256/metrics.json")).read_text())
+    snap = long[(long.method == "snapstream") & long.headline].iloc[0]
+    assert snap.kv_peak_bytes == m["kv"]["peak_bytes"] and snap.mean_output_tokens == 3.0
+    assert "wall_time_s" in long.columns
+    assert (wide.loc[wide.method == "full", "full_n"] == 9).all() and wide.loc[
+        wide.method != "full", "256_n"
+    ].item() == 9
+
+
+def test_csv_figures_have_fixed_decimals_and_no_nan_cells(tmp_path):
+    write_run(tmp_path, binary_rows([1, 0, 0] * 10), method="full", budget=None)  # 33.333...
+    write_run(tmp_path, binary_rows([1, 0, 0] * 9 + [0, 0, 0]), budget=256)
+    leaderboard.build(tmp_path)
+    for name in ("leaderboard.csv", "leaderboard_wide.csv"):
+        text = (tmp_path / name).read_text()
+        assert "nan" not in text.lower() and "33.33333" not in text, text
+        table = pd.read_csv(tmp_path / name, dtype=str, keep_default_na=False)
+        for col in ("score", "stderr", "full", "256", "256_vs_full", "paired_diff"):
+            if col in table:
+                cells = [v for v in table[col] if v]
+                assert cells and all(len(v.rpartition(".")[2]) == 2 for v in cells), (name, col, cells)
+    long = pd.read_csv(tmp_path / "leaderboard.csv", dtype=str, keep_default_na=False)
+    assert long.loc[long.method == "full", "paired_diff"].tolist() == [""]  # empty, not NaN
+
+
+@pytest.mark.parametrize("arg", ["results_dir={}", "{}"])
+def test_cli_takes_results_dir_like_make_report_and_the_old_positional_form(tmp_path, capsys, arg):
+    write_run(tmp_path, binary_rows(FULL), method="full", budget=None)
+    leaderboard.main([arg.format(tmp_path)])
+    assert (
+        tmp_path / "leaderboard.csv"
+    ).is_file() and f"wrote {tmp_path}/leaderboard.csv" in capsys.readouterr().out
+
+
+def test_cli_other_settings_are_an_error_naming_the_one_it_takes(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        leaderboard.main([f"result_dir={tmp_path}"])
+    assert e.value.code == 2
+    assert "unknown setting 'result_dir': the only one is results_dir=<folder>" in capsys.readouterr().err
+
+
+def test_plot_never_joins_runs_on_different_problem_sets(tmp_path):
+    """Runs on 24 problems and on 6 (task.load.n=1) used to share one `full` line told apart by hashes."""
+    write_run(tmp_path / "big", binary_rows(FULL[:24]), method="full", budget=None)
+    write_run(tmp_path / "big", binary_rows(SNAP[:24]), budget=256)
+    write_run(tmp_path / "big", binary_rows(SNAP[:24]), budget=512)
+    write_run(tmp_path / "small", binary_rows(FULL[:6]), method="full", budget=None, seed=0)
+    write_run(tmp_path / "small", binary_rows([0] * 6), budget=256)
+    _retag(tmp_path / "small", n=1)
+    # one results tree holding both, as `make eval` with task settings in the folder name writes it
+    for sub in ("big", "small"):
+        for path in (tmp_path / sub / "runs").rglob("metrics.json"):
+            dest = tmp_path / "runs" / sub / path.parent.name
+            dest.mkdir(parents=True)
+            for f in path.parent.iterdir():
+                (dest / f.name).write_text(f.read_text())
+    from evalkit.report.runs import load_runs
+
+    runs, _ = load_runs(tmp_path)
+    (pans,) = leaderboard.panels(runs).values()
+    assert [p["title"] for p in pans] == ["task.load.n=1, 6 problems", "task.load.n=2, 24 problems"]
+    small, big = pans
+    assert [f[1:] for f in small["full"]] == [(100.0, 0.0, 6)] and len(big["full"]) == 1
+    assert small["lines"] == {"snapstream": [(256, 0.0, 0.0)]}
+    assert [b for b, *_ in big["lines"]["snapstream"]] == [256, 512]
+    assert leaderboard.plot(runs, tmp_path / "plots") == [tmp_path / "plots" / "ruler_smollm2_135m.png"]
+
+
+def test_plot_panel_names_come_from_settings_never_hashes(tmp_path):
+    write_run(tmp_path, binary_rows(FULL), method="full", budget=None)
+    write_run(tmp_path, binary_rows(SNAP), budget=128, settings={"recent": 64})
+    from evalkit.report.runs import load_runs
+
+    runs, _ = load_runs(tmp_path)
+    (pans,) = leaderboard.panels(runs).values()
+    assert [p["title"] for p in pans] == ["30 problems"] and list(pans[0]["lines"]) == ["snapstream recent64"]

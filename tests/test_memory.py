@@ -462,7 +462,7 @@ def test_entry_point_writes_csv_md_and_plots(tmp_path):
     for section in ("## Setup", "## Paper check", "## Measured runs", "## Assumptions", "16->64", "9 GiB"):
         assert section in md
     assert "smollm2_135m/snapstream/256" in md and "**NO**" not in md
-    for png in ("kv_vs_context.png", "batch_tok_s_vs_budget.png"):
+    for png in ("kv_vs_context.png", "batch_tok_s_vs_context.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
 
@@ -538,3 +538,24 @@ def test_entry_point_bad_input_exits_2_without_traceback(tmp_path, override, fie
     assert proc.stderr.startswith("evalkit: error: ") and field in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "memory").exists()  # nothing written, not even Hydra's .hydra folder
+
+
+def test_plots_name_model_and_hardware_and_keep_full_apart_from_snapstream(tmp_path, monkeypatch):
+    """Against budget, full at context C and SnapStream at budget C fell on one curve; the plots are now
+    against context, one line per cache, and every title names the model and hardware."""
+    from evalkit.memory import render
+
+    cfg = compose_cfg(f"results_dir={tmp_path}", "context_lens=[32768,131072]", "budgets=[8192,32768]")
+    dep = deployment(cfg)
+    figs = {}
+    monkeypatch.setattr(render, "_savefig", lambda fig, path: figs.setdefault(path.name, fig) and path)
+    render.write_plots(sweep_rows(dep, cfg)[0], tmp_path, "deepseek_r1 on 16 x sn40l")
+    kv, batch = figs["kv_vs_context.png"], figs["batch_tok_s_vs_context.png"]
+    assert "deepseek_r1 on 16 x sn40l" in kv.axes[0].get_title()
+    assert "deepseek_r1 on 16 x sn40l" in batch._suptitle.get_text()
+    for ax in (*kv.axes, *batch.axes):
+        drawn = [line for line in ax.get_lines() if len(line.get_xdata())]
+        assert {tuple(line.get_xdata()) for line in drawn} == {(32768, 131072)}  # every line: per context
+        labels = [line.get_label() for line in drawn if not line.get_label().startswith("_")]
+        assert labels == ["full", "snapstream B=8192", "snapstream B=32768"]
+    assert [t.get_text() for t in kv.axes[0].get_xticklabels()] == ["32k", "128k"]

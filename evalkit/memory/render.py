@@ -283,31 +283,50 @@ def _savefig(fig, path: Path) -> Path:
     return path
 
 
-def write_plots(rows: list[dict], out: Path) -> dict[str, Path]:
-    """KV GiB per sequence vs context (full and each budget); max batch and tok/s vs budget."""
+def _context_axis(ax, contexts: list[int]) -> None:
+    """Log2 context axis ticked at the contexts computed, as plain numbers (8192, not 2^13 or 10^4)."""
+    from matplotlib.ticker import NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(contexts, [f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in contexts])
+    ax.xaxis.set_minor_locator(NullLocator())
+
+
+def write_plots(rows: list[dict], out: Path, setup: str = "") -> dict[str, Path]:
+    """Against context length, one line per cache (full black, each SnapStream budget its own colour): KV GiB
+    per sequence; max batch and decode tok/s (solid: the whole HBM left for KV; dashed: the calibrated KV
+    reservation). `setup` names model and hardware in every title ("DeepSeek-R1 on 16 x sn40l")."""
     by_cache = defaultdict(list)
     for r in rows:
         by_cache[_label(r)].append(r)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    contexts = sorted({r["context"] for r in rows})
+    colours = {label: "black" if label == "full" else f"C{i}" for i, label in enumerate(by_cache)}
+    on = f" ({setup}; modelled)" if setup else " (modelled)"
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for label, rs in by_cache.items():
-        ax.plot([r["context"] for r in rs], [r["kv_bytes_per_seq"] / GiB for r in rs], "o-", label=label)
-    ax.set(xscale="log", xlabel="context length (tokens)", ylabel="KV per sequence (GiB)", title="KV memory")
+        xs, ys = [r["context"] for r in rs], [r["kv_bytes_per_seq"] / GiB for r in rs]
+        ax.plot(xs, ys, "o-", color=colours[label], lw=2.5 if label == "full" else 1.5, label=label)
+    _context_axis(ax, contexts)
+    ax.set(xlabel="context length (tokens)", ylabel="KV per sequence (GiB)", title="KV memory" + on)
+    ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     paths = {"kv_vs_context": _savefig(fig, out / "kv_vs_context.png")}
-    # A compressed cache's size does not depend on the context: one point per (method, budget) suffices.
-    # The full cache is drawn at budget = context (a cache that keeps everything).
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key, ylabel in ((axes[0], "max_batch", "max batch"), (axes[1], "tok_s", "tokens/s")):
-        for method in dict.fromkeys(r["method"] for r in rows):
-            points = {
-                r["context"] if method == "full" else r["budget"]: r for r in rows if r["method"] == method
-            }
-            for i, (suffix, tag) in enumerate((("", "capacity"), ("_cal", "calibrated"))):
-                style = ("*" if method == "full" else "o") + ("-" if i == 0 else "--")
-                ys = [r[key + suffix] for r in points.values()]
-                ax.plot(list(points), ys, style, label=f"{method} ({tag})")
-        ax.set(xscale="log", yscale="log", xlabel="KV entries per layer and head (budget; full: context)")
-        ax.set(ylabel=ylabel, title=f"{ylabel} vs budget")
+    # Against context (never against "entries"): there a full cache at context C and a SnapStream budget of
+    # C sit on one curve, and the two methods read as one.
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for ax, key, ylabel in ((axes[0], "max_batch", "max batch"), (axes[1], "tok_s", "decode tokens/s")):
+        for label, rs in by_cache.items():
+            xs = [r["context"] for r in rs]
+            lw = 2.5 if label == "full" else 1.5
+            ax.plot(xs, [r[key] for r in rs], "o-", color=colours[label], lw=lw, label=label)
+            ax.plot(xs, [r[key + "_cal"] for r in rs], "o--", color=colours[label], lw=lw, alpha=0.6)
+        ax.plot([], [], "k-", label="solid: all free HBM for KV")
+        ax.plot([], [], "k--", alpha=0.6, label="dashed: calibrated KV reservation")
+        _context_axis(ax, contexts)
+        ax.set(yscale="log", xlabel="context length (tokens)", ylabel=ylabel + " (memory-bound upper bound)")
+        ax.set(title=f"{ylabel} vs context")
+        ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    paths["batch_tok_s_vs_budget"] = _savefig(fig, out / "batch_tok_s_vs_budget.png")
+    fig.suptitle(f"Max batch and decode throughput{on}")
+    paths["batch_tok_s_vs_context"] = _savefig(fig, out / "batch_tok_s_vs_context.png")
     return paths

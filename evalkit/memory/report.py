@@ -216,7 +216,7 @@ def write_report(cfg: dict) -> dict[str, Path]:
     paths = {"csv": out / "report.csv", "md": out / "report.md"}
     frame = pd.DataFrame(rows).astype({"budget": "Int64"})  # full has no budget: keep the column integral
     frame.to_csv(paths["csv"], index=False)
-    paths |= write_plots(rows, out)
+    paths |= write_plots(rows, out, f"{dep.model.name} on {dep.hw.sockets} x {dep.hw.name}")
     tables = {"rows": rows, "skipped": skipped, "paper": paper, "measured": measured, "notes": notes}
     paths["md"].write_text(render_markdown(dep, cfg, tables, paths))
     for r in paper:

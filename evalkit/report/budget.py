@@ -1,13 +1,19 @@
 """What a budget buys: the memory model (evalkit.memory) at the task's context length, method vs full.
 
-The context is the full run's longest request (`kv.peak_prompt_tokens` prompt, `kv.peak_seen_tokens` prompt +
-generated); cache slots follow evalkit's cache (`evalkit.memory.report.run_entries`: fixed-size methods hold
+The context is the full run's typical request: the median one by cache length (prompt + generated) over the
+generations in its samples.jsonl, or its longest one (`kv.peak_prompt_tokens`, `kv.peak_seen_tokens`) when the
+run recorded no per-request lengths, and said so. At the longest request the ratios are the largest and
+least typical. Cache slots follow evalkit's cache (`evalkit.memory.report.run_entries`: fixed-size methods hold
 `budget` slots even for a shorter prompt, snapkv keeps min(prompt, budget) and appends). Per hardware: the
-largest batch whose KV fits in HBM beside the weights, and the modelled decode tok/s at that batch.
+largest batch whose KV fits in HBM beside the weights, and the modelled decode tok/s at that batch: both
+memory-bound upper bounds (KV capacity and bytes read), never predictions of measured speed. Beside them, where
+`make bench` measured the same model, method and budget (results/bench/decode_speed.csv: the embedded model,
+batch 1, CPU), the measured decode speedup over the full cache at the nearest prompt length.
 """
 
 from __future__ import annotations
 
+import csv
 import math
 from pathlib import Path
 
@@ -47,12 +53,43 @@ def deployment(spec: ModelSpec, hw: Hardware, deploy: dict) -> Deployment:
     return Deployment(spec, hw, tp, deploy["attention"], float(deploy["mtp_factor"]))
 
 
-def context_of(full: Run) -> tuple[int, int]:
+def context_of(full: Run, rows: dict | None = None) -> tuple[int, int, str]:
+    """(prompt tokens, cache length, basis) of the full run's median request by cache length, from its
+    samples.jsonl generations; its longest request (metrics.json kv.peak_*) when those lack the lengths."""
+    gens = [g for r in (rows or {}).values() for g in r.get("generation") or [] if isinstance(g, dict)]
+    gens = sorted(
+        (g["kv_seen"], g["prompt_tokens"]) for g in gens if g.get("kv_seen") and g.get("prompt_tokens")
+    )
+    if gens:
+        seen, prompt = gens[(len(gens) - 1) // 2]  # the lower median: a request that ran
+        return int(prompt), int(seen), f"median request of {len(gens)}"
     kv = full.metrics.get("kv") or {}
     prompt, seen = kv.get("peak_prompt_tokens"), kv.get("peak_seen_tokens")
     if not prompt or not seen:
         raise MemoryReportError(f"{full.rel}: metrics.json has no kv.peak_prompt_tokens/peak_seen_tokens")
-    return int(prompt), int(seen)
+    return int(prompt), int(seen), "longest request (samples.jsonl holds no per-request lengths)"
+
+
+BENCH_MODEL = "smollm2_135m"  # what `make bench` measures (evalkit.bench.base.Context.model_name)
+
+
+def bench_speedup(bench_dirs: list[Path], model: str, method: str, budget, context: int) -> dict:
+    """The measured decode speedup over the full cache for this model, method and budget at the bench's
+    prompt length nearest `context` (log scale); {} where no bench measured it."""
+    if model != BENCH_MODEL or budget is None:
+        return {}
+    path = next((d / "decode_speed.csv" for d in bench_dirs if (d / "decode_speed.csv").is_file()), None)
+    if path is None:
+        return {}
+    with path.open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("config") == f"{method}_{int(budget)}"]
+    if not rows:
+        return {}
+    best = min(rows, key=lambda r: abs(math.log(int(r["prompt_tokens"]) / context)))
+    return {
+        "bench_speedup": float(best["speedup_vs_full"]),
+        "bench_prompt_tokens": int(best["prompt_tokens"]),
+    }
 
 
 def _at_max_batch(dep: Deployment, entries: int) -> tuple[int, float]:
@@ -60,14 +97,23 @@ def _at_max_batch(dep: Deployment, entries: int) -> tuple[int, float]:
     return batch, dep.step(batch, entries)["tok_s"] if batch else 0.0
 
 
-def memory_row(comp: Run, full: Run, hardware: dict[str, Hardware], deploy: dict) -> dict:
-    """KV bytes per sequence (method and full), saving, and per hardware max batch and tok/s gain."""
-    prompt, seen = context_of(full)
+def memory_row(
+    comp: Run, full: Run, hardware: dict[str, Hardware], deploy: dict, full_rows: dict | None = None
+) -> dict:
+    """KV bytes per sequence (method and full, modelled in the deployment's dtypes), saving, and per hardware
+    max batch and tok/s gain (memory-bound upper bounds); the run's measured peak bytes in its own dtype."""
+    prompt, seen, basis = context_of(full, full_rows)
     spec = spec_of(full, deploy)
     entries = run_entries(comp.method, comp.budget, prompt, seen)
     per_entry = spec.kv.bytes_per_entry
+    kv = comp.metrics.get("kv") or {}
     row = {
         "context_tokens": seen,
+        "context_prompt_tokens": prompt,
+        "context_basis": basis,
+        "kv_dtype_modelled": deploy["kv_dtype"],
+        "kv_peak_bytes_measured": kv.get("peak_bytes"),
+        "dtype_measured": comp.metrics["model"].get("dtype"),
         "kv_entries": entries,
         "kv_entries_full": seen,
         "kv_bytes_seq": per_entry * entries,

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from evalkit.config import CONF_DIR
 from evalkit.memory.model import MemoryReportError
-from evalkit.report.budget import load_hardware, memory_row
+from evalkit.report.budget import bench_speedup, load_hardware, memory_row
 from evalkit.report.config import ReportConfigError, ReportSettings
 from evalkit.report.pairing import Pairing, PairingError, pair, partner
 from evalkit.report.runs import Run, RunError, load_runs, unfinished
@@ -76,14 +77,23 @@ def pair_all(runs: list[Run], settings: ReportSettings) -> tuple[list[Pairing], 
     return pairings, problems
 
 
-def _memory(p: Pairing, hardware, settings: ReportSettings, problems: list[str]) -> dict:
+def _memory(p: Pairing, hardware, settings: ReportSettings, problems: list[str], full_rows: dict) -> dict:
     try:
-        row = memory_row(p.compressed, p.full, hardware, settings.deploy)
-    except (MemoryReportError, KeyError, TypeError) as e:
+        if p.full.rel not in full_rows:
+            full_rows[p.full.rel] = p.full.samples()  # read once per full run: its request lengths
+        row = memory_row(p.compressed, p.full, hardware, settings.deploy, full_rows[p.full.rel])
+    except (MemoryReportError, RunError, KeyError, TypeError) as e:
         problems.append(f"{p.compressed.rel}: memory model not joined ({type(e).__name__}: {e})")
         return {}
     tp = row.pop("tp")
-    return row | {f"tp_{k}": v for k, v in tp.items()}
+    # the results folder's own bench first, then the figures published in the repository
+    benches = [settings.results_dir / "bench", CONF_DIR.parent / "results" / "bench"]
+    c = p.compressed
+    return (
+        row
+        | {f"tp_{k}": v for k, v in tp.items()}
+        | bench_speedup(benches, c.model, c.method, c.budget, row["context_tokens"])
+    )
 
 
 def build(settings: ReportSettings) -> Report:
@@ -96,9 +106,9 @@ def build(settings: ReportSettings) -> Report:
     pairings, problems = pair_all(runs, settings)
     problems = bad_files + problems
     hardware = load_hardware(settings.hardware)
-    rows, notes = [], []
+    rows, notes, full_rows = [], [], {}
     for p in pairings:
-        rows += _cell_rows(p, _memory(p, hardware, settings, problems))
+        rows += _cell_rows(p, _memory(p, hardware, settings, problems, full_rows))
         notes += p.notes
         if p.only_compressed or p.only_full:
             notes.append(

@@ -16,7 +16,8 @@ from evalkit.report.build import GROUP, Report  # noqa: E402
 from evalkit.results import atomic_write, save_figure  # noqa: E402
 
 MARK = {"non-inferior": "✓", "worse": "✗", "inconclusive": "?"}
-STYLE = {"non-inferior": ("o", "full"), "worse": ("X", "full"), "inconclusive": ("o", "none")}
+# worse: a downward triangle; an X crossed by the vertical CI line read as two stacked markers
+STYLE = {"non-inferior": ("o", "full"), "worse": ("v", "full"), "inconclusive": ("o", "none")}
 CSV_FIRST = GROUP + [
     "budget",
     "metric",
@@ -56,8 +57,23 @@ def _mib(n) -> str:
     return "-" if n is None or pd.isna(n) else f"{n / 2**20:,.1f} MiB"
 
 
-def _cell(r) -> str:
-    return f"{_f(r.paired_diff)} [{_f(r.ci_low)}, {_f(r.ci_high)}] {MARK[r.verdict]}"
+SMALL = "†"  # a CI from fewer than min_problems paired problems: said under each table that shows one
+
+
+def _cell(r, min_problems: int = 0) -> str:
+    small = SMALL if r.n_paired < min_problems else ""
+    return f"{_f(r.paired_diff)} [{_f(r.ci_low)}, {_f(r.ci_high)}]{small} {MARK[r.verdict]}"
+
+
+def _small_note(rows: pd.DataFrame, min_problems: int) -> str:
+    few = sorted({int(n) for n in rows.n_paired if n < min_problems})
+    if not few:
+        return ""
+    return (
+        f"\n\n{SMALL} n = {', '.join(map(str, few))} < min_problems = {min_problems}: a percentile bootstrap CI over "
+        "this few problems is too narrow (it undercovers), so it is shown but never decides alone; the verdict "
+        "then follows the exact test (p), and `worse` needs both."
+    )
 
 
 def _decide(r) -> str:
@@ -91,8 +107,11 @@ def _header(rep: Report) -> str:
             "- p-value: exact McNemar (one binary outcome per problem), otherwise a two-sided sign-flip permutation test",
             f"- problems to decide: normal-approximation sample size for a paired non-inferiority test (Chow, Shao & "
             f"Wang 2008, 3.1) at one-sided alpha {(1 - st.confidence) / 2:g}, power {st.power:g}, the observed mean and SD",
-            f"- memory: evalkit.memory with {s.deploy['weight_dtype']} weights, {s.deploy['kv_dtype']} KV, tp "
-            f"{s.deploy['tp']}, {s.deploy['attention']}; hardware {', '.join(s.hardware)}",
+            f"- memory: **modelled** by evalkit.memory with {s.deploy['weight_dtype']} weights, {s.deploy['kv_dtype']} KV, "
+            f"tp {s.deploy['tp']}, {s.deploy['attention']}; hardware {', '.join(s.hardware)}; at each full run's "
+            "median request (its longest where the run recorded no per-request lengths: each section says). Max batch and tok/s gain are memory-bound upper bounds (KV capacity, bytes read), "
+            "not predictions of measured speed; measured figures (kept/seen, the run's peak KV bytes in its own "
+            "dtype, the bench's decode speedup) are labelled as such",
         ]
     )
 
@@ -126,13 +145,14 @@ def _recommendation(rep: Report) -> str:
     )
     lines += [
         "",
-        "Per task: the smallest non-inferior budget, its paired difference, what it saves and gains.",
+        "Per task: the smallest non-inferior budget, its paired difference, what it saves (modelled) and the "
+        "decode gain's memory-bound upper bound (modelled; see What the budget buys).",
         "",
     ]
     lines.append(
         _table(
             ["model", "task", "cache", "budgets run", "budget", "diff [CI]", "KV saving"]
-            + [f"tok/s gain {h}" for h in hw]
+            + [f"tok/s gain bound {h}" for h in hw]
             + ["status"],
             [
                 [
@@ -157,7 +177,7 @@ def _bullets(title: str, items: list[str], empty: str) -> str:
     return f"## {title} ({len(items)})\n\n" + ("\n".join(f"- {x}" for x in items) if items else empty)
 
 
-def _headline_table(rows: pd.DataFrame) -> str:
+def _headline_table(rows: pd.DataFrame, min_problems: int) -> str:
     return _table(
         [
             "cache",
@@ -181,28 +201,44 @@ def _headline_table(rows: pd.DataFrame) -> str:
                 f"{r.only_compressed}/{r.only_full}",
                 _f(r.full, "{:.2f}"),
                 _f(r.compressed, "{:.2f}"),
-                _cell(r),
+                _cell(r, min_problems),
                 f"{r.p_value:.3g} ({r.test})",
                 r.verdict + (f" ({r.why})" if r.why else ""),
                 _decide(r),
             ]
             for r in rows.itertuples()
         ],
-    )
+    ) + _small_note(rows, min_problems)
 
 
 def _memory_table(rows: pd.DataFrame, hw: list[str]) -> str:
     if "kv_bytes_seq" not in rows or rows.kv_bytes_seq.isna().all():
         return "Memory model not joined (see Problems)."
     first = rows.iloc[0]
+    kv_dtype, run_dtype = first.get("kv_dtype_modelled", "bf16"), first.get("dtype_measured") or "its dtype"
+    bench = "bench_speedup" in rows and not rows.bench_speedup.isna().all()
     head = (
-        f"Context: the full run's longest request, {int(first.context_tokens)} tokens "
-        f"(full cache {int(first.kv_entries_full)} entries, {_mib(first.kv_bytes_seq_full)} per sequence).\n\n"
+        f"Context: the full run's {first.context_basis}, {int(first.context_tokens)} tokens (prompt "
+        f"{int(first.context_prompt_tokens)}; full cache {int(first.kv_entries_full)} entries, "
+        f"{_mib(first.kv_bytes_seq_full)} per sequence). **Modelled** (evalkit.memory, {kv_dtype} KV): entries, "
+        "KV / sequence, saving, and per hardware the max batch whose KV fits beside the weights and the decode "
+        "tok/s gain at that batch: memory-bound upper bounds, not predictions of measured speed. **Measured** by "
+        f"the run: kept/seen and its peak KV bytes, in the run's own dtype ({run_dtype}), so they differ from the "
+        f"modelled {kv_dtype} bytes."
+        + (
+            " **Measured** by `make bench` (results/bench/decode_speed.csv: this model, batch 1, CPU): the "
+            "decode speedup over the full cache at the bench prompt length nearest this context."
+            if bench
+            else ""
+        )
+        + "\n\n"
     )
     return head + _table(
-        ["cache", "budget", "kept/seen measured", "entries", "KV / sequence", "saving"]
-        + [f"max batch {h} (full)" for h in hw]
-        + [f"tok/s gain {h}" for h in hw],
+        ["cache", "budget", "kept/seen (measured)", "entries", f"KV / sequence ({kv_dtype})", "saving"]
+        + [f"max batch bound {h} (full)" for h in hw]
+        + [f"tok/s gain bound {h}" for h in hw]
+        + [f"peak KV bytes (measured, {run_dtype})"]
+        + (["decode speedup (measured, bench)"] if bench else []),
         [
             [
                 _config(r["method"], r["settings"]),
@@ -214,12 +250,22 @@ def _memory_table(rows: pd.DataFrame, hw: list[str]) -> str:
             ]
             + [f"{_f(r[f'max_batch_{h}'], '{:.0f}')} ({_f(r[f'max_batch_full_{h}'], '{:.0f}')})" for h in hw]
             + [_f(r[f"tok_s_gain_{h}"], "{:.2f}x") for h in hw]
+            + [_f(r.get("kv_peak_bytes_measured"), "{:,.0f}")]
+            + (
+                [
+                    "-"
+                    if pd.isna(r.get("bench_speedup"))
+                    else f"{r['bench_speedup']:.2f}x at {int(r['bench_prompt_tokens'])} tokens"
+                ]
+                if bench
+                else []
+            )
             for _, r in rows.iterrows()
         ],
     )
 
 
-def _breakdowns(cells: pd.DataFrame) -> str:
+def _breakdowns(cells: pd.DataFrame, min_problems: int) -> str:
     sub = cells[~cells.is_headline]
     if sub.empty:
         return "No breakdown keys."
@@ -229,10 +275,10 @@ def _breakdowns(cells: pd.DataFrame) -> str:
         ["key", "n"] + [f"{_config(m, s)} {b}" for m, s, b in cols],
         [
             [key, int(sub[sub.metric == key].n_paired.max())]
-            + [_cell(grid[(key, c)]) if (key, c) in grid else "-" for c in cols]
+            + [_cell(grid[(key, c)], min_problems) if (key, c) in grid else "-" for c in cols]
             for key in sorted(set(sub.metric))
         ],
-    )
+    ) + _small_note(sub, min_problems)
 
 
 def _section(rep: Report, model: str, task: str, plots: dict) -> str:
@@ -244,7 +290,7 @@ def _section(rep: Report, model: str, task: str, plots: dict) -> str:
         "",
         f"Paired with `{full.full_run}`; headline `{full.metric}`, margin {full.margin:g} points.",
         "",
-        _headline_table(head),
+        _headline_table(head, rep.settings.stats.min_problems),
         "",
         "### What the budget buys",
         "",
@@ -252,7 +298,7 @@ def _section(rep: Report, model: str, task: str, plots: dict) -> str:
         "",
         "### Breakdowns (diff [CI] verdict)",
         "",
-        _breakdowns(cells),
+        _breakdowns(cells, rep.settings.stats.min_problems),
         "",
     ]
     parts += [f"![{kind}]({path.name})" for kind, path in plots.get((model, task), {}).items()]
@@ -266,7 +312,9 @@ data, same generation settings): `diff` is compressed - full in points, with its
 means the CI's lower bound is above -delta: with 95% confidence the cache costs less than delta points.
 `worse` means the CI lies below 0. `inconclusive` means the data cannot tell: the last column says how many
 paired problems would decide at the observed variance (in all, and how many more). A verdict needs at least
-`min_problems` paired problems; identical results on every problem get an exact bound, not a zero-width CI."""
+`min_problems` paired problems (a CI from fewer is marked †); identical results on every problem get an exact
+bound, not a zero-width CI. KV bytes, max batch and tok/s gains are modelled: the batch and gain are
+memory-bound upper bounds, not measured speed; kept/seen, peak KV bytes and a bench speedup are measured."""
 
 
 def markdown(rep: Report, plots: dict) -> str:
@@ -297,7 +345,7 @@ def _verdict_legend(ax) -> None:
         ax.plot([], [], "k" + marker, fillstyle=fill, ls="none", label=verdict)
 
 
-def forest(head: pd.DataFrame, title: str, path: Path) -> None:
+def forest(head: pd.DataFrame, title: str, path: Path, confidence: float = 0.95) -> None:
     """Paired difference and CI against budget, one series per cache, the +-delta band shaded."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
     budgets = sorted(set(int(b) for b in head.budget))
@@ -312,14 +360,18 @@ def forest(head: pd.DataFrame, title: str, path: Path) -> None:
         color = f"C{g}"
         for r in rows.itertuples():
             x = pos[int(r.budget)] + shift
-            ax.plot([x, x], [r.ci_low, r.ci_high], color=color, lw=2)
+            ax.plot([x, x], [r.ci_low, r.ci_high], color=color, lw=2, zorder=2)
             marker, fill = STYLE[r.verdict]
-            ax.plot(x, r.paired_diff, marker=marker, ms=8, color=color, fillstyle=fill, mec=color)
+            ax.plot(x, r.paired_diff, marker=marker, ms=9, color=color, fillstyle=fill, mec=color, zorder=3)
+            if fill == "none":  # hollow: the CI line must not show through
+                ax.plot(x, r.paired_diff, marker=marker, ms=7, color="white", zorder=3)
         ax.plot([], [], color=color, marker="o", label=_config(method, sett))
     _verdict_legend(ax)
     ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
     ax.set(
-        xlabel="budget (KV entries per layer and KV head)", ylabel="compressed - full (points)", title=title
+        xlabel="budget (KV entries per layer and KV head)",
+        ylabel=f"compressed - full (points; bars: {confidence:.0%} CI)",
+        title=title,
     )
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8, loc="best")
@@ -327,7 +379,7 @@ def forest(head: pd.DataFrame, title: str, path: Path) -> None:
     _save(fig, path)
 
 
-def pareto(head: pd.DataFrame, title: str, path: Path) -> None:
+def pareto(head: pd.DataFrame, title: str, path: Path, kv_dtype: str = "bfloat16") -> None:
     """Headline score (on the paired problems) against KV bytes per sequence; non-inferior points filled."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
     if "kv_bytes_seq_full" in head and not head.kv_bytes_seq_full.isna().all():
@@ -369,7 +421,7 @@ def pareto(head: pd.DataFrame, title: str, path: Path) -> None:
     ax.xaxis.set_minor_formatter(plain)
     ax.tick_params(axis="x", which="minor", labelsize=7)
     ax.set(
-        xlabel="KV cache per sequence (MiB, memory model)",
+        xlabel=f"KV cache per sequence (MiB in {kv_dtype}, modelled by evalkit.memory)",
         ylabel=f"{head.metric.iloc[0]} (paired problems)",
         title=title,
     )
@@ -384,10 +436,16 @@ def write_plots(rep: Report, out: Path) -> dict:
     plots = {}
     head = rep.headline
     for (model, task), rows in head.groupby(["model", "task"], sort=True) if len(head) else []:
-        metric = rows.metric.iloc[0]
+        metric, n = rows.metric.iloc[0], int(rows.n_paired.max())
+        kv = rep.settings.deploy["kv_dtype"]
         paths = {"forest": out / f"forest_{task}_{model}.png", "pareto": out / f"pareto_{task}_{model}.png"}
-        forest(rows, f"{task} / {model}: {metric}, compressed - full", paths["forest"])
-        pareto(rows, f"{task} / {model}: {metric} vs KV memory", paths["pareto"])
+        forest(
+            rows,
+            f"{task} / {model} ({n} paired problems): {metric}, compressed - full",
+            paths["forest"],
+            rep.settings.stats.confidence,
+        )
+        pareto(rows, f"{task} / {model} ({n} paired problems): {metric} vs KV memory", paths["pareto"], kv)
         plots[(model, task)] = paths
     return plots
 

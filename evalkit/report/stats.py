@@ -204,9 +204,15 @@ def verdict(lo: float, hi: float, p: float, n: int, s: StatSettings) -> tuple[st
     Below `min_problems` the bootstrap CI is too narrow to vouch for anything: no non-inferior verdict, and
     `worse` only when the exact test (McNemar / sign-flip, valid at any n) also rejects."""
     if n < s.min_problems:
+        few = f"{n} paired problems < min_problems={s.min_problems}"
         if hi < 0 and p < 1 - s.confidence:
-            return "worse", f"{n} paired problems < min_problems={s.min_problems}; the exact test agrees"
-        return "inconclusive", f"{n} paired problems < min_problems={s.min_problems}"
+            return "worse", f"{few}; the exact test agrees"
+        if hi < 0:  # the case a reader quotes wrongly: a CI below 0 beside "inconclusive"
+            return "inconclusive", (
+                f"{few}: the CI excludes 0 but the exact test does not reject (p = {p:.2g} >= "
+                f"{1 - s.confidence:.2g}), and at this n the bootstrap CI is too narrow to decide alone"
+            )
+        return "inconclusive", few
     if lo > -s.margin:
         return "non-inferior", "significantly lower, within the margin" if hi < 0 else ""
     if hi < 0:
