@@ -94,11 +94,20 @@ def parse_args(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> None:
     from evalkit.config import model_spec
-    from evalkit.models import ModelLoadError, load_model
+    from evalkit.models import ModelLoadError, context_length, load_model, model_config, resolve_source
 
     args, methods = parse_args(argv)
     try:
-        model, tokenizer = load_model(model_spec(args.model))
+        spec = model_spec(args.model)
+        context = context_length(spec, model_config(spec, resolve_source(spec)))
+        if args.length > context:  # refused before the weights load, as the runner refuses long lengths
+            print(
+                f"python -m evalkit.demo: error: --length ({args.length}) exceeds {args.model}'s context of "
+                f"{context} tokens",
+                file=sys.stderr,
+            )
+            sys.exit(2)
+        model, tokenizer = load_model(spec)
     except ModelLoadError as e:  # missing weights, no hub access: the message says what to do
         print(f"python -m evalkit.demo: error: {e}", file=sys.stderr)
         sys.exit(2)

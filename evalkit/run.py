@@ -104,6 +104,7 @@ def plan(cfg: DictConfig) -> Plan:
     ):
         if not _int(getattr(task_module, attr, None)):
             raise ConfigError(f"task module {cfg.task.module} must define {attr} (an int, {what})")
+    check_load_keys(cfg, task_module)
     spec = model_spec(cfg.model)
     if isinstance(spec, ServedSpec):  # evalkit.served: method full, a valid address, a tokenizer
         spec.check(method_name)
@@ -116,6 +117,12 @@ def check_run_settings(cfg: DictConfig) -> None:
         ("limit", cfg.get("limit"), lambda v: v is None or _int(v) and v >= 1, "null or a positive integer"),
         ("seed", cfg.get("seed"), _int, "an integer"),
         ("compile", cfg.get("compile"), lambda v: isinstance(v, bool), "true or false"),
+        (
+            "model.max_new_tokens",
+            cfg.model.get("max_new_tokens"),
+            lambda v: v is None or _int(v) and v >= 1,
+            "null (the task's own limit) or a positive integer",
+        ),
         ("task.repeats", cfg.task.get("repeats"), lambda v: _int(v) and v >= 1, "a positive integer"),
         (
             "task.load.n",
@@ -126,6 +133,35 @@ def check_run_settings(cfg: DictConfig) -> None:
     ):
         if not ok(value):
             raise ConfigError(f"{key} must be {rule}, got {value!r}")
+
+
+RUNNER_LOAD_KEYS = {"tokenizer", "model_context", "prompt_format"}  # what the runner itself passes to `load`
+
+
+def check_load_keys(cfg: DictConfig, task_module) -> None:
+    """A `task.load.<key>` the task's `load()` does not name would be swallowed by its `**_`: refused instead."""
+    import inspect
+
+    params = inspect.signature(task_module.load).parameters.values()
+    known = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - RUNNER_LOAD_KEYS
+    unknown = sorted(set(cfg.task.get("load") or {}) - known)
+    if unknown:
+        raise ConfigError(
+            f"task {cfg.task.name}: unknown setting(s) {', '.join('task.load.' + k for k in unknown)}; "
+            f"its load settings: {', '.join(sorted(known))}"
+        )
+
+
+def check_budget(plans: list[Plan], context: int) -> None:
+    """A budget above the model's context keeps nothing more than the full cache, yet the static cache would
+    be allocated at that size (tens of GB at a typo's budget): refused before the model loads."""
+    for p in plans:
+        budget = getattr(p.method, "budget", None)
+        if budget is not None and budget > context:
+            raise ConfigError(
+                f"method.budget={budget} is above {p.cfg.model.name}'s context of {context} tokens: no prompt "
+                f"can fill it. Choose a budget below {context}, or METHOD=full for the uncompressed cache"
+            )
 
 
 def _int(v) -> bool:
@@ -150,11 +186,26 @@ def check_folder(p: Plan) -> None:
     """A folder holding a run of another configuration is refused, never mixed. Settings that only grade or
     score (`task.setup`, the headline) may change: the run is then re-scored from its journal."""
     saved = p.out / "config.yaml"
-    if saved.exists() and generation_yaml(saved_config(saved.read_text())) != generation_yaml(p.cfg):
+    if saved.exists() and generation_yaml(_saved(saved)) != generation_yaml(p.cfg):
         raise ConfigError(
             f"{p.out} holds a run with a different config (see its config.yaml). "
             "Use another results_dir, or delete that folder to redo it."
         )
+
+
+def _saved(path: Path) -> DictConfig:
+    try:
+        cfg = saved_config(path.read_text(encoding="utf-8"))
+    except Exception as e:  # noqa: BLE001 (YAML, decoding and OmegaConf errors alike: the file is not ours)
+        raise ConfigError(
+            f"{path} is not a config evalkit wrote ({type(e).__name__}); restore it, or delete the folder to redo "
+            "the run"
+        ) from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(
+            f"{path} is not a config evalkit wrote; restore it, or delete the folder to redo the run"
+        )
+    return cfg
 
 
 def check_writable(folder: Path) -> None:
@@ -221,7 +272,10 @@ def classify(p: Plan, loaded) -> str:
 
 
 def open_journal(p: Plan) -> Journal:
-    journal = Journal(p.out / "generations.jsonl")
+    path = p.out / "generations.jsonl"
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{path} is not a file: move it away (the journal is a file this run appends to)")
+    journal = Journal(path)
     for number, reason in journal.rejected:
         print(
             f"evalkit: {journal.path} line {number} set aside ({reason}) into {journal.path.name}.rejected; "
@@ -327,6 +381,7 @@ def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
     keys = request_keys(task, len(samples), k)
     now = sum(key in p.journal.generated_keys for key in keys)  # what this process really generated
     counts = {"from_journal": len(keys) - now, "generated_now": now}  # resumed, or a re-score
+    check_headline(p, rows)
     metrics = summarize(p, loaded, rows, model_config(p.spec, resolve_source(p.spec)), context, counts)
     if setup is not None:
         metrics["task_setup"] = setup
@@ -335,6 +390,17 @@ def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
     atomic_write(p.out / "config.yaml", config_yaml(p.cfg))  # the grading settings now in force
     atomic_write(p.out / "samples.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     write_json(p.out / "metrics.json", metrics)
+
+
+def check_headline(p: Plan, rows: list[dict]) -> None:
+    """The headline must name one of the task's metrics. Known only once a sample is scored; the journal holds
+    every generation, so the corrected command re-scores without the model."""
+    names = sorted({k for r in rows for k in r["scores"] if "/" not in k})
+    if rows and p.cfg.task.headline not in names:
+        raise ConfigError(
+            f"task.headline={p.cfg.task.headline!r} names no metric of task {p.cfg.task.name} (its metrics: "
+            f"{', '.join(names)}). The generations are journaled: run again with a valid task.headline to score"
+        )
 
 
 # --- the recipe ------------------------------------------------------------------------------------------
@@ -348,6 +414,7 @@ def run(cfg: DictConfig) -> list[dict]:
         check_writable(p.out)
     spec = plans[0].spec
     context = context_length(spec, model_config(spec, resolve_source(spec)))
+    check_budget(plans, context)
     loaded, load_kwargs = load_data(plans[0], tokenizer_path(spec), context)  # before any model loads
     setup = configure_task(plans[0])
     locks = [RunLock(p.out) for p in plans]

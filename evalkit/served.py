@@ -234,6 +234,23 @@ class _Final(RuntimeError):
     """Not worth another attempt: the request itself was refused."""
 
 
+FAILED = (TimeoutError, _Transient, aiohttp.ClientError, OSError)  # after lm-eval's last retry
+
+
+def _quiet(loop, context: dict) -> None:
+    if not isinstance(context.get("exception"), FAILED):
+        loop.default_exception_handler(context)
+
+
+def _count(value) -> int | None:
+    """A server's token count: None when it gave none (or not a number); a negative one is refused."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    if value < 0:
+        raise _Final(f"the server reported negative completion_tokens ({value})")
+    return value
+
+
 class _Served:
     """What the completions and chat variants share: evalkit prompts, lm-eval's concurrency and retries, the journal.
 
@@ -258,6 +275,8 @@ class _Served:
         )
         self.spec, self.prompt_tokenizer, self.context, self.journal = spec, tokenizer, context, journal
         self._failed: list[str] = []
+        # servers answer with the id asked for, or with the weights' path (vLLM's `root`)
+        self._names = {report["model"]["id"], report["model"].get("root")} - {None}
 
     def _cap(self, n: int) -> int:
         return new_tokens_cap(self.spec, n)
@@ -270,8 +289,8 @@ class _Served:
         todo = [p for p in prompts if journaled(self.journal, p) is None]
         if todo:  # lm-eval's gather shows the progress ("Requesting API")
             try:
-                asyncio.run(self.get_batched_requests(todo, cache_keys=[p.key for p in todo], generate=True))
-            except (TimeoutError, _Transient, aiohttp.ClientError, OSError) as e:
+                asyncio.run(self._requests(todo))
+            except FAILED as e:
                 raise ServedError(
                     f"{self.base_url} failed after {self.max_retries} attempts ({e or type(e).__name__}); the "
                     "finished requests are journaled: run the same command again to resume"
@@ -281,6 +300,12 @@ class _Served:
                     f"the server refused {len(self._failed)} request(s): {'; '.join(self._failed[:3])}"
                 )
         return [self.journal.get(p.key)["text"] for p in prompts]
+
+    async def _requests(self, todo: list[Prompt]) -> None:
+        # One failure ends the run with a clear error (above); the requests that failed beside it would each
+        # print "Task exception was never retrieved" when collected: the run's error already says it.
+        asyncio.get_running_loop().set_exception_handler(_quiet)
+        await self.get_batched_requests(todo, cache_keys=[p.key for p in todo], generate=True)
 
     async def amodel_call(self, session, sem, messages, *, cache_keys=None, **kwargs):
         """One request (and its follow-up call, LongBench CoT), journaled when it finishes."""
@@ -326,9 +351,10 @@ class _Served:
         out = self._text(choice)
         if not isinstance(out, str):
             raise _Final(f"the answer holds no text: {body[:300]!r}")
+        self._check_model(choice, body)
         until = stop_strings(p)
-        tokens = usage.get("completion_tokens")
-        if not isinstance(tokens, int):  # the server reports no usage: count the text with the tokenizer
+        tokens = _count(usage.get("completion_tokens"))
+        if tokens is None:  # the server reports no usage: count the text with the tokenizer
             tokens = len(self.prompt_tokenizer(out, add_special_tokens=False)["input_ids"])
         return finish_text(p, out, until), {
             "prompt_tokens": len(ids),
@@ -336,9 +362,7 @@ class _Served:
             "truncated": truncated,
             "max_new_tokens": p.max_new,
             "output_tokens": tokens,
-            "output_tokens_from": "server"
-            if isinstance(usage.get("completion_tokens"), int)
-            else "tokenizer",
+            "output_tokens_from": "tokenizer" if _count(usage.get("completion_tokens")) is None else "server",
             "hit_limit": choice.get("finish_reason") == "length",
             "finish_reason": choice.get("finish_reason"),
             "wall_s": latency,
@@ -373,9 +397,23 @@ class _Served:
     def _choice(self, body: str) -> tuple[dict, dict]:
         try:
             out = json.loads(body)
-            return out["choices"][0], out.get("usage") or {}
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+            choice, usage = out["choices"][0], out.get("usage") or {}
+            if not isinstance(choice, dict) or not isinstance(usage, dict):
+                raise TypeError
+            choice["model"] = out.get("model")  # checked against the pinned model (`_check_model`)
+            return choice, usage
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
             raise _Final(f"not an OpenAI answer: {body[:300]!r}") from None
+
+    def _check_model(self, choice: dict, body: str) -> None:
+        """A server that starts answering as another model mid-run (a redeploy behind the same address) stops
+        the run before that answer is journaled. An answer naming no model is taken as the pinned one."""
+        model = choice.get("model")  # `transformers serve` appends the revision it resolved: "org/name@main"
+        if model is not None and model not in self._names and str(model).rsplit("@", 1)[0] not in self._names:
+            raise _Final(
+                f"the server answered as model {model!r}, not {self.model!r} (the model it served when the run "
+                f"started); nothing from it is journaled: {body[:200]!r}"
+            )
 
 
 class ServedCompletions(_Served, LocalCompletionsAPI):

@@ -53,17 +53,32 @@ def data_file(source: str, sample: Path, repo: str, filename: str, revision: str
             hf_hub_download(repo, filename, repo_type="dataset", revision=revision)
         ), f"hub:{repo}@{revision}"
     path = Path(source).resolve()
+    if not path.exists():
+        raise ValueError(f"task.load.source: {path} does not exist")
+    if not (path.is_file() or path.is_dir()):  # /dev/zero, a FIFO: reading would never end
+        raise ValueError(f"task.load.source: {path} is not a regular file or a folder")
     return path, f"local:{path}"
+
+
+def decode(raw: bytes, path: Path) -> str:
+    """A data file's bytes as text: UTF-8, a leading byte-order mark dropped (editors on Windows write one; kept,
+    it would break the first row), anything else an error naming the file and the byte."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def read_text(path: Path) -> str:
+    return decode(Path(path).read_bytes(), path)
 
 
 def read_json(path: Path):
     """A JSON data file; an unreadable or malformed file is an error that names it (and where it broke)."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        return json.loads(read_text(path))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def parse_rows(text: str, path: Path, array: bool) -> list[dict | Skipped]:

@@ -51,6 +51,11 @@ def demo(*args: str) -> subprocess.CompletedProcess:
         (["--model", "nope"], "unknown model 'nope'"),  # a ConfigError traceback before
         # weights that cannot be loaded (offline hub): the loader's advice, not a ModelLoadError traceback
         (["--model", "llama31_8b_instruct"], "cannot fetch 'meta-llama/Llama-3.1-8B-Instruct'"),
+        # refused before the weights load (a prompt the model cannot take would fail after minutes)
+        (
+            ["--model", "tiny_llama", "--length", "100000"],
+            "--length (100000) exceeds tiny_llama's context of 8192",
+        ),
     ],
 )
 def test_entry_point_errors_exit_2_without_traceback(args, message):

@@ -120,6 +120,19 @@ def test_a_journal_for_other_prompts_is_refused_when_scoring(tmp_path, monkeypat
         (["method.budget=abc"], ConfigError, "budget must be a positive integer"),
         (["+method.recnet=3"], ConfigError, "unknown setting 'recnet'"),
         (["results_dir=/proc/evalkit"], ConfigError, "results_dir: cannot write into /proc/evalkit"),
+        (["model.max_new_tokens=0"], ConfigError, "model.max_new_tokens must be null (the task's own limit)"),
+        (["model.max_new_tokens=-5"], ConfigError, "model.max_new_tokens must be"),
+        (
+            ["+task.load.lenghts=[512]"],
+            ConfigError,
+            "unknown setting(s) task.load.lenghts; its load settings: ",
+        ),
+        (
+            ["method.budget=9000"],
+            ConfigError,
+            "method.budget=9000 is above tiny_llama's context of 8192 tokens",
+        ),
+        (["method.budget=[64,9000]"], ConfigError, "method.budget=9000 is above"),
     ],
 )
 def test_bad_input_is_refused_before_data_or_model(overrides, error, message, tmp_path, no_model):
@@ -127,6 +140,14 @@ def test_bad_input_is_refused_before_data_or_model(overrides, error, message, tm
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         runner.run(cfg)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_load_setting_a_tasks_catch_all_would_swallow_is_refused(tmp_path, no_model):
+    cfg = compose(overrides=[*AIME, f"results_dir={tmp_path}", "+task.load.sourse=/x.jsonl"])
+    with pytest.raises(
+        ConfigError, match=r"task aime24: unknown setting\(s\) task.load.sourse; its load settings: n"
+    ):
+        runner.run(cfg)
 
 
 def test_results_dir_that_is_a_file_fails_early_and_leaves_nothing(tmp_path, no_model):
@@ -251,3 +272,35 @@ def test_an_unparsable_json_line_is_a_skipped_row_named_by_file_and_line(tmp_pat
         ("aime.jsonl:2", "line 2 is not valid JSON (Unterminated string starting at)")
     ]
     assert len(loaded.samples) == len(rows)
+
+
+def test_a_headline_naming_no_metric_is_named_and_the_fix_rescores_without_the_model(
+    tmp_path, no_model, monkeypatch
+):
+    monkeypatch.undo()  # the first run needs the model
+    with pytest.raises(
+        ConfigError, match=r"task.headline='scroe' names no metric of task ruler \(its metrics: "
+    ):
+        run(*RULER, "method.budget=64", "task.headline=scroe", results=tmp_path)
+    assert not (folder(tmp_path) / "metrics.json").exists()
+    monkeypatch.setattr(runner, "get_model", lambda spec: pytest.fail("loaded"))
+    m = run(*RULER, "method.budget=64", results=tmp_path)[0]  # every generation was journaled
+    assert m["headline"] == "score" and m["generation"]["generated_now"] == 0
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("config", "config.yaml is not a config evalkit wrote"),
+        ("journal", "generations.jsonl is not a file"),
+    ],
+)
+def test_a_damaged_run_folder_is_refused_by_name(tmp_path, damage, message, no_model):
+    out = folder(tmp_path)
+    out.mkdir(parents=True)
+    if damage == "config":
+        (out / "config.yaml").write_bytes(b"\x00\xff: [unclosed")
+    else:
+        (out / "generations.jsonl").mkdir()
+    with pytest.raises(ConfigError, match=message):
+        run(*RULER, "method.budget=64", results=tmp_path)

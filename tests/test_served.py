@@ -42,6 +42,8 @@ class Fake:
         )
         self.inflight = self.max_inflight = 0
         self.cond = threading.Condition()
+        self.usage = {"prompt_tokens": 5, "completion_tokens": 3}
+        self.answer_models: list[str] = []  # the `model` field of each coming answer (then none)
 
     @staticmethod
     def answer(prompt: str) -> str:  # right for the first AIME sample only (its answer is 286)
@@ -63,7 +65,11 @@ class Fake:
         text = self.answer(json.dumps(body["messages"]) if chat else body["prompt"])
         choice = {"index": 0, "finish_reason": "stop"}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-        return 200, {"choices": [choice], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}
+        out = {"choices": [choice], "usage": self.usage}
+        with self.cond:
+            if self.answer_models:
+                out["model"] = self.answer_models.pop(0)
+        return 200, out
 
 
 @pytest.fixture
@@ -423,3 +429,44 @@ def test_transformers_serve_answers_as_the_in_process_full_cache(transformers_se
         m = json.loads((folder(tmp_path, task) / "metrics.json").read_text())
         assert m["served"]["server_header"] == "uvicorn" and m["served"]["model"]["owned_by"] == "local"
     print(f"served vs in-process greedy agreement: {agreement}")
+
+
+def test_a_failed_run_leaves_no_unretrieved_task_errors(fake, tmp_path, caplog):
+    import gc
+
+    fake.barrier, fake.statuses = 2, [503] * 8  # two requests in flight, both fail on their only attempt
+    args = served(fake.url, *AIME, "task.load.n=2", "model.num_concurrent=2", "model.max_retries=1")
+    with pytest.raises(ServedError, match="failed after 1 attempts"):
+        run(*args, results=tmp_path)
+    gc.collect()  # an unretrieved task error is reported when its task is collected
+    assert "never retrieved" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "usage, message",
+    [
+        ({"completion_tokens": -3}, "negative completion_tokens"),
+        ({"completion_tokens": True}, None),  # not a count: the tokenizer counts the text instead
+    ],
+)
+def test_a_served_token_count_must_be_a_count(fake, tmp_path, usage, message):
+    fake.usage = usage
+    args = served(fake.url, *AIME, "task.load.n=1")
+    if message is None:
+        m = run(*args, results=tmp_path)[0]
+        record = json.loads((folder(tmp_path) / "generations.jsonl").read_text().splitlines()[0])
+        assert record["stats"]["output_tokens_from"] == "tokenizer"
+        assert m["generation"]["tokens_generated"] == record["stats"]["output_tokens"] > 0
+        return
+    with pytest.raises(ServedError, match=message):
+        run(*args, results=tmp_path)
+    assert not Journal(folder(tmp_path) / "generations.jsonl").records
+
+
+def test_a_server_answering_as_another_model_mid_run_is_stopped(fake, tmp_path):
+    fake.barrier = 1
+    fake.answer_models = ["fake-model", "other-model"]  # the second answer comes from another model
+    args = served(fake.url, *AIME, "task.load.n=2", "model.num_concurrent=1")
+    with pytest.raises(ServedError, match="answered as model 'other-model', not 'fake-model'"):
+        run(*args, results=tmp_path)
+    assert len(Journal(folder(tmp_path) / "generations.jsonl").records) == 1  # only the true model's answer

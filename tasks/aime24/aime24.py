@@ -22,6 +22,7 @@ from evalkit.task import (
     keep_all,
     lm_eval_hooks,
     parse_rows,
+    read_text,
     sha256_bytes,
     subsample,
     unique,
@@ -116,7 +117,7 @@ def _rows(path: Path) -> list:
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    return parse_rows(path.read_text(encoding="utf-8"), path, array=path.suffix == ".json")
+    return parse_rows(read_text(path), path, array=path.suffix == ".json")
 
 
 def _read(source: str) -> tuple[list, str, str]:

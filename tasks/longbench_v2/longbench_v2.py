@@ -17,6 +17,7 @@ from evalkit.sample import Sample, Skipped
 from evalkit.task import (
     Loaded,
     data_file,
+    decode,
     keep_all,
     lm_eval_hooks,
     parse_rows,
@@ -119,7 +120,7 @@ def _read(source: str) -> tuple[list, str, str]:
     digest = sha256_bytes(raw)
     if source == "hub" and digest != DATA_SHA256:
         raise ValueError(f"{path}: sha256 {digest} is not the pinned data.json's {DATA_SHA256}")
-    text = raw.decode("utf-8")  # data.json is one JSON array; a JSON-lines dump is accepted too
+    text = decode(raw, path)  # data.json is one JSON array; a JSON-lines dump is accepted too
     rows = parse_rows(text, path, array=text.lstrip().startswith("["))
     return rows, tag, digest
 
