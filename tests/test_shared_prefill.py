@@ -52,6 +52,34 @@ def test_replayed_prefill_equals_a_separate_prefill(arch, sample):
         assert replay_cache.stats()["slots"] >= method.budget
 
 
+def test_a_window_wider_than_32_replays_exactly_and_a_short_record_is_refused():
+    """A record keeps the last `window` queries: a method scoring with more of them replays exactly from a
+    record that wide, and a narrower record (which would score with other queries) is refused."""
+    model = tiny_model("llama", seed=8)
+    ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(9))
+    wide = SnapKV(budget=96, window=64)
+    for recorded in (64, 32):
+        record = PrefillRecord(window=recorded)
+        gen(
+            model,
+            ids,
+            KVCache.for_model(SnapStream(budget=48, recent=8, window=8), model, record=record),
+            False,
+        )
+        replay_cache = KVCache.for_model(wide, model, replay=record)
+        if recorded == 32:
+            with pytest.raises(
+                ValueError, match=r"snapkv: window=64 .* this prefill record holds 32: record with"
+            ):
+                gen(model, ids, replay_cache, False)
+            continue
+        alone_cache = KVCache.for_model(wide, model)
+        alone, replayed = gen(model, ids, alone_cache, False), gen(model, ids, replay_cache, False)
+        assert torch.equal(alone.sequences, replayed.sequences)
+        for layer in range(model.config.num_hidden_layers):  # the same kept positions, head by head
+            assert torch.equal(alone_cache.positions(layer), replay_cache.positions(layer)), layer
+
+
 def test_budget_list_equals_separate_runs(tmp_path):
     base = [
         sys.executable,
@@ -61,6 +89,7 @@ def test_budget_list_equals_separate_runs(tmp_path):
         "task.load.n=1",
         "task.load.lengths=[1024]",
         "method=snapstream",
+        "method.window=48",  # wider than the 32 queries a record keeps by default: the record must widen
     ]
     for args, results in (
         (["method.budget=[64,128]"], "shared"),
