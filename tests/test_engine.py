@@ -184,3 +184,33 @@ def test_a_stop_string_ends_the_request_where_it_first_appears():
     req = Request("s", ids, 40, method, settings(False, 40), 0, until=[stop])
     got, _ = engine_run(model, [req], rows=2)
     assert got["s"].ended == "stop" and got["s"].tokens == free[:end]
+
+
+def test_a_request_ends_at_the_first_eos_it_emits_of_the_merged_ids():
+    """The EOS ids are the model's (two here) merged with the tokenizer's; greedy decoding ends at the first
+    one it emits, that token included, and says so."""
+    from types import SimpleNamespace
+
+    from evalkit.lm import EvalkitLM
+
+    model = tiny_model("llama", seed=3)
+    ids = prompts()[0]
+    method = SnapStream(budget=64, recent=16, window=8)
+    free = alone(model, ids, method, False, 0, new=40)
+    step = next(k for k in range(8, 40) if free[k] not in free[:k])  # the token's first appearance
+    later = next(t for k, t in enumerate(free) if k > step and t not in free[:k])  # first emitted after it
+    never = next(t for t in range(3, 256) if t not in free)
+    holder = SimpleNamespace(
+        model=SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[later, never])),
+        tokenizer=SimpleNamespace(eos_token_id=free[step]),
+    )
+    eos = EvalkitLM._eos_ids(holder)
+    assert eos == sorted({later, never, free[step]})
+    for rows in (1, 2):
+        reqs = [
+            Request("e", ids, 40, method, settings(False, 40), 0),
+            Request("f", ids[:90], 40, method, settings(False, 40), 1),
+        ]
+        got = {d.request.key: d for d in Engine(model, Tok(), eos, rows).run(reqs)}
+        assert got["e"].ended == "eos" and got["e"].tokens == free[: step + 1], rows
+        assert got["e"].stats["output_tokens"] == step + 1 and not got["e"].stats["hit_limit"]
