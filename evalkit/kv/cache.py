@@ -14,10 +14,9 @@ the prompt, the rest of the block is masked padding, and the ring stays `recent`
 whole and the slots it leaves free extend the ring, so a budget of at least prompt + generated tokens
 reproduces the full cache exactly. Keys keep the RoPE of their original positions; empty slots are masked.
 
-This is the dynamic cache (host bookkeeping, buffers that grow); `evalkit.kv.static.StaticKVCache` (what
-`compile: true` uses) keeps its shapes and per-step state fixed, and `evalkit.kv.pool.SlotPool` is the
-engine's static cache whose rows are filled one request at a time, as transformers splits its DynamicCache and
-StaticCache.
+This is the dynamic cache (host bookkeeping, growing buffers), as transformers splits DynamicCache and
+StaticCache: `static.StaticKVCache` (`compile: true`) fixes shapes and per-step state, `pool.SlotPool` is the
+engine's static cache whose rows are filled one request at a time.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from evalkit.kv.attention import hand_off
 from evalkit.kv.layout import Rows, plan_rows, ring_slot, valid_columns
-from evalkit.kv.select import group_mean
+from evalkit.kv.select import group_mean, place_topk
 
 
 class KVLayer(CacheLayerMixin):
@@ -87,33 +86,14 @@ class KVLayer(CacheLayerMixin):
             self.cache.record.add(self.layer_idx, keys, values, query, attn_keys, attention_mask, scaling)
         rows = self.cache.prefill_rows(attention_mask, keys.shape[0], keys.shape[2], keys.device)
         b, h = keys.shape[:2]
-        pos = rows.base_pos[:, None, :].expand(b, h, rows.n).clone()  # (B, H, n)
-        sink, tail_long, topk = self.cache.method.blocks()
-        if self.cache.has_topk:
-            # (B, H_attn, T); pads are masked out of the window's softmax
+        pos = rows.base_pos[:, None, :].expand(b, h, rows.n).clone()  # (B, H, n) position per slot
+        if self.cache.has_topk:  # (B, H_attn, T) scores; pads are masked out of the window's softmax
             scores = self.cache.method.score(query, attn_keys, rows.candidates, rows.pad, scaling)
-            t = keys.shape[2]
-            best = group_mean(scores, h).topk(min(topk, t), dim=-1)  # -inf past a row's valid_topk
-            picked = torch.full((b, h, topk), t, dtype=best.indices.dtype, device=keys.device)  # (B, H, K)
-            picked[..., : best.indices.shape[-1]] = torch.where(
-                best.values > float("-inf"), best.indices - rows.pad[:, None, None], t
-            )
-            picked = picked.sort(dim=-1).values  # kept positions in order, then the padding (t)
-            block = slice(sink + tail_long, sink + tail_long + topk)
-            picked = torch.where(picked < t, picked, -1)
-            selecting = (rows.topk > 0)[:, None, None]  # rows kept whole use these slots for their tail
-            pos[:, :, block] = torch.where(selecting, picked, pos[:, :, block])
+            place_topk(pos, group_mean(scores, h), rows, self.cache.method.blocks())
         src = (pos.clamp(min=0) + rows.pad[:, None, None]).unsqueeze(-1)  # (B, H, n, 1) prompt columns
         empty = (pos < 0).unsqueeze(-1)
         cap = rows.valid.shape[1]
-        self.keys = keys.new_zeros(b, h, cap, keys.shape[-1])
-        self.values = values.new_zeros(b, h, cap, values.shape[-1])
-        self.keys[:, :, : rows.n] = keys.gather(2, src.expand(-1, -1, -1, keys.shape[-1])).masked_fill_(
-            empty, 0
-        )
-        self.values[:, :, : rows.n] = values.gather(2, src.expand(-1, -1, -1, values.shape[-1])).masked_fill_(
-            empty, 0
-        )
+        self.keys, self.values = (_gathered(x, src, empty, cap) for x in (keys, values))
         self.pos = pos.new_full((b, h, cap), -1, dtype=torch.int32)
         self.pos[:, :, : rows.n] = pos
         self.cache.allocated(self)
@@ -121,11 +101,8 @@ class KVLayer(CacheLayerMixin):
     def grow(self, capacity: int) -> None:
         """Append methods only: move to larger buffers (amortised: capacity grows by half each time)."""
         extra = capacity - self.keys.shape[2]
-        self.keys = torch.cat(
-            [self.keys, self.keys.new_zeros(*self.keys.shape[:2], extra, self.keys.shape[3])], 2
-        )
-        self.values = torch.cat(
-            [self.values, self.values.new_zeros(*self.values.shape[:2], extra, self.values.shape[3])], 2
+        self.keys, self.values = (
+            torch.cat([x, x.new_zeros(*x.shape[:2], extra, x.shape[3])], 2) for x in (self.keys, self.values)
         )
         self.pos = torch.cat([self.pos, self.pos.new_full((*self.pos.shape[:2], extra), -1)], 2)
 
@@ -139,6 +116,14 @@ class KVLayer(CacheLayerMixin):
         return b * h * width
 
 
+def _gathered(x: torch.Tensor, src: torch.Tensor, empty: torch.Tensor, cap: int) -> torch.Tensor:
+    """A (B, H, cap, D) buffer whose first n slots hold x's prompt columns src (B, H, n, 1), zeros elsewhere."""
+    b, h, n = src.shape[:3]
+    out = x.new_zeros(b, h, cap, x.shape[-1])
+    out[:, :, :n] = x.gather(2, src.expand(-1, -1, -1, x.shape[-1])).masked_fill_(empty, 0)
+    return out
+
+
 class KVCache(Cache):
     """Compressed KV cache for any transformers decoder: `model.generate(ids, past_key_values=KVCache(...))`.
 
@@ -149,13 +134,7 @@ class KVCache(Cache):
     static = False  # what attention and transformers' compile check read: the dynamic cache is never compiled
 
     def __init__(
-        self,
-        method,
-        num_layers: int,
-        attn_name: str = "evalkit",
-        record=None,
-        replay=None,
-        max_new_tokens=None,
+        self, method, num_layers: int, attn_name="evalkit", record=None, replay=None, max_new_tokens=None
     ):
         self.method, self.attn_name = method, attn_name
         self.record, self.replay = record, replay  # evalkit.kv.prefill: share one prefill across budgets
