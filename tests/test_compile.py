@@ -210,22 +210,6 @@ def test_explain_reports_no_graph_break():
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
-def test_smollm2_compiles_to_one_graph(smollm2):
-    """The embedded model (30 layers): one graph, no recompilation while its ring wraps 3 times."""
-    model, tok = smollm2
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": "Name three rivers in Europe."}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
-    ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    method = SnapStream(budget=64, recent=16, window=8)  # a short prompt: the spec's padded 16-slot ring
-    counting = Counting()
-    out = gen(model, ids, method, backend=counting, new=48)
-    assert (counting.compiled, counting.runs) == (1, 47)
-    assert_same_generation(out, gen(model, ids, method, new=48), 1e-4)
-
-
 # --- inductor: the code that really runs compiled, equal to eager ----------------------------------------
 def test_inductor_batch_equals_eager():
     """Left-padded batch (a short row on the padded ring, rings that wrap), greedy and sampled: inductor's

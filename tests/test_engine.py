@@ -161,18 +161,6 @@ def test_compiled_mla_step_is_one_graph_across_refills_and_equals_eager():
     compiled_equals_eager("deepseek_v3", [40, 90, 30, 60, 20, 50], min_steps=80)
 
 
-def test_smollm2_rows_equal_one_row(smollm2):
-    model, tokenizer = smollm2
-    text = "The quick brown fox jumps over the lazy dog. " * 30
-    ids = [tokenizer(text[i * 7 :])["input_ids"][: 120 + 40 * i] for i in range(4)]
-    method = SnapStream(budget=96, recent=16, window=8)
-    reqs = lambda: [Request(str(i), x, NEW, method, settings(False), i) for i, x in enumerate(ids)]  # noqa: E731
-    one, _ = engine_run(model, reqs(), rows=1)
-    four, _ = engine_run(model, reqs(), rows=4)
-    assert {k: d.tokens for k, d in four.items()} == {k: d.tokens for k, d in one.items()}
-    assert one["0"].tokens == alone(model, ids[0], method, False, 0)
-
-
 def test_a_stop_string_ends_the_request_where_it_first_appears():
     model = tiny_model("llama", seed=3)
     ids = prompts()[0]

@@ -80,7 +80,9 @@ def test_a_window_wider_than_32_replays_exactly_and_a_short_record_is_refused():
             assert torch.equal(alone_cache.positions(layer), replay_cache.positions(layer)), layer
 
 
-def test_budget_list_equals_separate_runs(tmp_path):
+def test_budget_list_at_batch_size_4_equals_separate_runs_at_batch_size_1(tmp_path):
+    """Two invariances of the runner in one set of runs: a budget list (one prefill per prompt, replayed) and
+    the batch size (requests decode as rows of one pool) both leave every output and figure unchanged."""
     base = [
         sys.executable,
         "-m",
@@ -92,9 +94,9 @@ def test_budget_list_equals_separate_runs(tmp_path):
         "method.window=48",  # wider than the 32 queries a record keeps by default: the record must widen
     ]
     for args, results in (
-        (["method.budget=[64,128]"], "shared"),
-        (["method.budget=64"], "alone"),
-        (["method.budget=128"], "alone"),
+        (["method.budget=[64,128]", "batch_size=4"], "shared"),
+        (["method.budget=64", "batch_size=1"], "alone"),
+        (["method.budget=128", "batch_size=1"], "alone"),
     ):
         proc = subprocess.run(
             [*base, *args, f"results_dir={tmp_path / results}"],
@@ -113,9 +115,8 @@ def test_budget_list_equals_separate_runs(tmp_path):
             d: [json.loads(x) for x in (folder[d] / "samples.jsonl").read_text().splitlines()] for d in folder
         }
         assert [r["predictions"] for r in rows["shared"]] == [r["predictions"] for r in rows["alone"]]
-        assert (folder["shared"] / "config.yaml").read_text().replace(str(tmp_path / "shared"), "X") == (
-            folder["alone"] / "config.yaml"
-        ).read_text().replace(str(tmp_path / "alone"), "X")
+        config = {d: (folder[d] / "config.yaml").read_text().replace(str(tmp_path / d), "X") for d in folder}
+        assert config["shared"].replace("batch_size: 4", "batch_size: 1") == config["alone"]
     replayed = json.loads((tmp_path / "shared/runs/ruler/tiny_llama/snapstream/128/metrics.json").read_text())
     assert replayed["generation"]["prefills_replayed"] == 6
 
