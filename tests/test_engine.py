@@ -202,3 +202,28 @@ def test_a_request_ends_at_the_first_eos_it_emits_of_the_merged_ids():
         got = {d.request.key: d for d in Engine(model, Tok(), eos, rows).run(reqs)}
         assert got["e"].ended == "eos" and got["e"].tokens == free[: step + 1], rows
         assert got["e"].stats["output_tokens"] == step + 1 and not got["e"].stats["hit_limit"]
+
+
+def test_a_pools_row_figures_are_each_requests_own():
+    """The pool reports each row as that request's own cache would (its method's ring or append footprint),
+    after loading and after decode steps, whatever method the pool was shaped from."""
+    from evalkit.kv import KVCache
+    from evalkit.kv.pool import SlotPool
+
+    model = tiny_model("llama", seed=3)
+    ids = prompts()
+    methods = [SnapKV(budget=64, window=16), SnapStream(budget=48, recent=16, window=8), Full()]
+    alone = [KVCache.for_model(m, model, max_new_tokens=12) for m in methods]
+    with torch.inference_mode():
+        for cache, x in zip(alone, ids):
+            model(torch.tensor([x]), cache=cache)
+        pool = SlotPool.shaped_like(alone[0], len(alone), 256)
+        for r, cache in enumerate(alone):
+            pool.load_row(r, cache)
+        assert pool.row_stats() == [c.row_stats()[0] for c in alone]
+        token = torch.tensor([[5]])
+        for _ in range(12):  # the same token into every row and into each request's own cache
+            model(token.expand(len(alone), 1), position_ids=pool.rows.next_pos.clone()[:, None], cache=pool)
+            for cache in alone:
+                model(token, cache=cache)
+    assert pool.row_stats() == [c.row_stats()[0] for c in alone]
