@@ -107,7 +107,10 @@ def test_budget_list_at_batch_size_4_equals_separate_runs_at_batch_size_1(tmp_pa
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
     for budget in ("64", "128"):
-        folder = {d: tmp_path / d / "runs/ruler/tiny_llama/snapstream" / budget for d in ("shared", "alone")}
+        folder = {
+            d: tmp_path / d / f"runs/ruler/tiny_llama/snapstream/{budget}-window48"
+            for d in ("shared", "alone")
+        }
         a, b = (json.loads((folder[d] / "metrics.json").read_text()) for d in ("shared", "alone"))
         assert a["scores"] == b["scores"] and a["n"] == b["n"] == 6
         assert a["kv"] == b["kv"]
@@ -117,7 +120,9 @@ def test_budget_list_at_batch_size_4_equals_separate_runs_at_batch_size_1(tmp_pa
         assert [r["predictions"] for r in rows["shared"]] == [r["predictions"] for r in rows["alone"]]
         config = {d: (folder[d] / "config.yaml").read_text().replace(str(tmp_path / d), "X") for d in folder}
         assert config["shared"].replace("batch_size: 4", "batch_size: 1") == config["alone"]
-    replayed = json.loads((tmp_path / "shared/runs/ruler/tiny_llama/snapstream/128/metrics.json").read_text())
+    replayed = json.loads(
+        (tmp_path / "shared/runs/ruler/tiny_llama/snapstream/128-window48/metrics.json").read_text()
+    )
     assert replayed["generation"]["prefills_replayed"] == 6
 
 
