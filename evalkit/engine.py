@@ -1,10 +1,10 @@
 """Continuous batching over evalkit's compressed caches: a queue of requests, a fixed pool of rows, refill on finish.
 
 Each request is prefilled alone (its own compressed cache, or replayed from another budget's recorded prefill,
-`evalkit.kv.prefill`), then copied into a free row of one static slot pool (`KVCache.pool`): every row keeps its
-own method, budget, ring and positions, so rows of different budgets of one prompt decode side by side, and a row
-that finishes (EOS, a stop string, its token limit) takes the next request at once instead of idling until the
-longest row of a static batch ends. Token choice is transformers' own (float32 logits, the temperature / top-k /
+`evalkit.kv.prefill`), then copied into a free row of one static slot pool (`evalkit.kv.pool.SlotPool`): every
+row keeps its own method, budget, ring and positions, so rows of different budgets of one prompt decode side by
+side, and a row that finishes (EOS, a stop string, its token limit) takes the next request at once instead of
+idling until the longest row of a static batch ends. Token choice is transformers' own (float32 logits, the temperature / top-k /
 top-p warpers, softmax, multinomial), with one random generator per request seeded from its key: a request
 samples the same whatever row, batch or moment it lands in, and a resumed run samples what the killed one would.
 
@@ -31,7 +31,8 @@ from transformers.generation.logits_process import (
 )
 
 from evalkit.kv import KVCache
-from evalkit.kv.cache import slots_needed
+from evalkit.kv.layout import slots_needed
+from evalkit.kv.pool import SlotPool
 from evalkit.kv.prefill import PrefillRecord, shared_prefill
 
 
@@ -88,7 +89,7 @@ class Engine:
 
             cfg = compile_config(model, backend="inductor" if compile is True else compile)
             self.step_fn = model.get_compiled_call(cfg)
-        self.pool: KVCache | None = None
+        self.pool: SlotPool | None = None
         self.steps = 0
         self.row_steps = 0  # rows x steps decoded
         self.idle_row_steps = 0  # of them, rows holding no request
@@ -138,9 +139,9 @@ class Engine:
                     yield self._done(row, ended, cache.row_stats()[0])
                     continue
                 if self.pool is None:
-                    self.pool = KVCache.pool(cache, self.n_rows, self.capacity)
+                    self.pool = SlotPool.shaped_like(cache, self.n_rows, self.capacity)
                 elif self.pool.capacity < self.capacity:  # by half again at least: few regrowths, recompiles
-                    self.pool.grow_pool(max(self.capacity, self.pool.capacity * 3 // 2))
+                    self.pool.grow(max(self.capacity, self.pool.capacity * 3 // 2))
                 self.pool.load_row(r, cache)
                 live[r], last[r] = row, token
 
@@ -174,8 +175,9 @@ class Engine:
         self.steps += 1
         self.row_steps += self.n_rows
         self.idle_row_steps += self.n_rows - len(active)
+        kv = self.pool.row_stats() if finished else []  # every row's figures at once (a few host reads)
         for r, ended in finished:
-            yield self._done(live[r], ended, self.pool.row_report(r))
+            yield self._done(live[r], ended, kv[r])
             live[r] = None
             self.pool.idle_row(r)
 

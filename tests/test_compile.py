@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 
-from evalkit.kv import Full, KVCache, SnapKV, SnapStream, generate
+from evalkit.kv import Full, KVCache, SnapKV, SnapStream, StaticKVCache, generate
 from evalkit.kv.generate import compile_config
 from evalkit.kv.prefill import PrefillRecord, shared_prefill
 from tests.conftest import tiny_model
@@ -89,7 +89,7 @@ def test_static_cache_equals_default_cache(arch, method):
     so the ring fills slot by slot) and rings that wrap."""
     model = tiny_model(arch, seed=1)
     ids, mask, _ = left_pad(prompts((150, 97, 40, 12)))
-    static = KVCache.for_model(method, model, static=True, max_new_tokens=30)
+    static = StaticKVCache.for_model(method, model, max_new_tokens=30)
     default = KVCache.for_model(method, model)
     kw = dict(
         attention_mask=mask,
@@ -114,7 +114,7 @@ def test_static_buffers_never_move():
     """Append methods too: prompt + max_new_tokens slots allocated at prefill, written in place."""
     model = tiny_model("llama")
     for method in (Full(), SnapStream(budget=32, recent=8, window=8)):
-        cache = KVCache.for_model(method, model, static=True, max_new_tokens=40)
+        cache = StaticKVCache.for_model(method, model, max_new_tokens=40)
         with torch.inference_mode():
             token = model(prompts((100,))[0][None], cache=cache).logits[:, -1:].argmax(-1)
             ptrs = [(lay.keys.data_ptr(), lay.values.data_ptr(), lay.pos.data_ptr()) for lay in cache.layers]
@@ -132,9 +132,9 @@ def test_static_cache_refuses_what_it_cannot_do():
     model = tiny_model("llama")
     for bad in (None, 0, True, 2.5):
         with pytest.raises(ValueError, match="needs max_new_tokens"):
-            KVCache.for_model(Full(), model, static=True, max_new_tokens=bad)
-    KVCache.for_model(SnapStream(budget=64), model, static=True)  # a ring needs no decode budget
-    cache = KVCache.for_model(Full(), model, static=True, max_new_tokens=8)
+            StaticKVCache.for_model(Full(), model, max_new_tokens=bad)
+    StaticKVCache.for_model(SnapStream(budget=64), model)  # a ring needs no decode budget
+    cache = StaticKVCache.for_model(Full(), model, max_new_tokens=8)
     with torch.inference_mode():
         model(prompts((20,))[0][None], cache=cache)
         with pytest.raises(ValueError, match="one token per forward"):
@@ -181,7 +181,7 @@ def test_shared_prefill_replay_compiles_once():
     for _ in range(2):  # two requests
         record = PrefillRecord(window=32)
         for method, rec, replay in ((first, record, None), (other, None, record)):
-            cache = KVCache.for_model(method, model, record=rec, replay=replay, static=True)
+            cache = StaticKVCache.for_model(method, model, record=rec, replay=replay)
             with torch.inference_mode(), shared_prefill(model):
                 outs.append(
                     model.generate(
@@ -203,27 +203,11 @@ def test_explain_reports_no_graph_break():
     """`torch._dynamo.explain` on one decode step: one graph, zero graph breaks (the MLA model as well)."""
     for arch in ("llama", "deepseek_v3"):
         model = tiny_model(arch)
-        cache = KVCache.for_model(SnapStream(budget=32, recent=8, window=8), model, static=True)
+        cache = StaticKVCache.for_model(SnapStream(budget=32, recent=8, window=8), model)
         with torch.inference_mode():
             token = model(prompts((60,))[0][None], cache=cache).logits[:, -1:].argmax(-1)
             explained = torch._dynamo.explain(model.__call__)(input_ids=token, cache=cache)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-
-
-def test_smollm2_compiles_to_one_graph(smollm2):
-    """The embedded model (30 layers): one graph, no recompilation while its ring wraps 3 times."""
-    model, tok = smollm2
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": "Name three rivers in Europe."}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
-    ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    method = SnapStream(budget=64, recent=16, window=8)  # a short prompt: the spec's padded 16-slot ring
-    counting = Counting()
-    out = gen(model, ids, method, backend=counting, new=48)
-    assert (counting.compiled, counting.runs) == (1, 47)
-    assert_same_generation(out, gen(model, ids, method, new=48), 1e-4)
 
 
 # --- inductor: the code that really runs compiled, equal to eager ----------------------------------------

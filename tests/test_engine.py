@@ -161,18 +161,6 @@ def test_compiled_mla_step_is_one_graph_across_refills_and_equals_eager():
     compiled_equals_eager("deepseek_v3", [40, 90, 30, 60, 20, 50], min_steps=80)
 
 
-def test_smollm2_rows_equal_one_row(smollm2):
-    model, tokenizer = smollm2
-    text = "The quick brown fox jumps over the lazy dog. " * 30
-    ids = [tokenizer(text[i * 7 :])["input_ids"][: 120 + 40 * i] for i in range(4)]
-    method = SnapStream(budget=96, recent=16, window=8)
-    reqs = lambda: [Request(str(i), x, NEW, method, settings(False), i) for i, x in enumerate(ids)]  # noqa: E731
-    one, _ = engine_run(model, reqs(), rows=1)
-    four, _ = engine_run(model, reqs(), rows=4)
-    assert {k: d.tokens for k, d in four.items()} == {k: d.tokens for k, d in one.items()}
-    assert one["0"].tokens == alone(model, ids[0], method, False, 0)
-
-
 def test_a_stop_string_ends_the_request_where_it_first_appears():
     model = tiny_model("llama", seed=3)
     ids = prompts()[0]
@@ -184,3 +172,58 @@ def test_a_stop_string_ends_the_request_where_it_first_appears():
     req = Request("s", ids, 40, method, settings(False, 40), 0, until=[stop])
     got, _ = engine_run(model, [req], rows=2)
     assert got["s"].ended == "stop" and got["s"].tokens == free[:end]
+
+
+def test_a_request_ends_at_the_first_eos_it_emits_of_the_merged_ids():
+    """The EOS ids are the model's (two here) merged with the tokenizer's; greedy decoding ends at the first
+    one it emits, that token included, and says so."""
+    from types import SimpleNamespace
+
+    from evalkit.lm import EvalkitLM
+
+    model = tiny_model("llama", seed=3)
+    ids = prompts()[0]
+    method = SnapStream(budget=64, recent=16, window=8)
+    free = alone(model, ids, method, False, 0, new=40)
+    step = next(k for k in range(8, 40) if free[k] not in free[:k])  # the token's first appearance
+    later = next(t for k, t in enumerate(free) if k > step and t not in free[:k])  # first emitted after it
+    never = next(t for t in range(3, 256) if t not in free)
+    holder = SimpleNamespace(
+        model=SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[later, never])),
+        tokenizer=SimpleNamespace(eos_token_id=free[step]),
+    )
+    eos = EvalkitLM._eos_ids(holder)
+    assert eos == sorted({later, never, free[step]})
+    for rows in (1, 2):
+        reqs = [
+            Request("e", ids, 40, method, settings(False, 40), 0),
+            Request("f", ids[:90], 40, method, settings(False, 40), 1),
+        ]
+        got = {d.request.key: d for d in Engine(model, Tok(), eos, rows).run(reqs)}
+        assert got["e"].ended == "eos" and got["e"].tokens == free[: step + 1], rows
+        assert got["e"].stats["output_tokens"] == step + 1 and not got["e"].stats["hit_limit"]
+
+
+def test_a_pools_row_figures_are_each_requests_own():
+    """The pool reports each row as that request's own cache would (its method's ring or append footprint),
+    after loading and after decode steps, whatever method the pool was shaped from."""
+    from evalkit.kv import KVCache
+    from evalkit.kv.pool import SlotPool
+
+    model = tiny_model("llama", seed=3)
+    ids = prompts()
+    methods = [SnapKV(budget=64, window=16), SnapStream(budget=48, recent=16, window=8), Full()]
+    alone = [KVCache.for_model(m, model, max_new_tokens=12) for m in methods]
+    with torch.inference_mode():
+        for cache, x in zip(alone, ids):
+            model(torch.tensor([x]), cache=cache)
+        pool = SlotPool.shaped_like(alone[0], len(alone), 256)
+        for r, cache in enumerate(alone):
+            pool.load_row(r, cache)
+        assert pool.row_stats() == [c.row_stats()[0] for c in alone]
+        token = torch.tensor([[5]])
+        for _ in range(12):  # the same token into every row and into each request's own cache
+            model(token.expand(len(alone), 1), position_ids=pool.rows.next_pos.clone()[:, None], cache=pool)
+            for cache in alone:
+                model(token, cache=cache)
+    assert pool.row_stats() == [c.row_stats()[0] for c in alone]

@@ -52,7 +52,37 @@ def test_replayed_prefill_equals_a_separate_prefill(arch, sample):
         assert replay_cache.stats()["slots"] >= method.budget
 
 
-def test_budget_list_equals_separate_runs(tmp_path):
+def test_a_window_wider_than_32_replays_exactly_and_a_short_record_is_refused():
+    """A record keeps the last `window` queries: a method scoring with more of them replays exactly from a
+    record that wide, and a narrower record (which would score with other queries) is refused."""
+    model = tiny_model("llama", seed=8)
+    ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(9))
+    wide = SnapKV(budget=96, window=64)
+    for recorded in (64, 32):
+        record = PrefillRecord(window=recorded)
+        gen(
+            model,
+            ids,
+            KVCache.for_model(SnapStream(budget=48, recent=8, window=8), model, record=record),
+            False,
+        )
+        replay_cache = KVCache.for_model(wide, model, replay=record)
+        if recorded == 32:
+            with pytest.raises(
+                ValueError, match=r"snapkv: window=64 .* this prefill record holds 32: record with"
+            ):
+                gen(model, ids, replay_cache, False)
+            continue
+        alone_cache = KVCache.for_model(wide, model)
+        alone, replayed = gen(model, ids, alone_cache, False), gen(model, ids, replay_cache, False)
+        assert torch.equal(alone.sequences, replayed.sequences)
+        for layer in range(model.config.num_hidden_layers):  # the same kept positions, head by head
+            assert torch.equal(alone_cache.positions(layer), replay_cache.positions(layer)), layer
+
+
+def test_budget_list_at_batch_size_4_equals_separate_runs_at_batch_size_1(tmp_path):
+    """Two invariances of the runner in one set of runs: a budget list (one prefill per prompt, replayed) and
+    the batch size (requests decode as rows of one pool) both leave every output and figure unchanged."""
     base = [
         sys.executable,
         "-m",
@@ -61,11 +91,12 @@ def test_budget_list_equals_separate_runs(tmp_path):
         "task.load.n=1",
         "task.load.lengths=[1024]",
         "method=snapstream",
+        "method.window=48",  # wider than the 32 queries a record keeps by default: the record must widen
     ]
     for args, results in (
-        (["method.budget=[64,128]"], "shared"),
-        (["method.budget=64"], "alone"),
-        (["method.budget=128"], "alone"),
+        (["method.budget=[64,128]", "batch_size=4"], "shared"),
+        (["method.budget=64", "batch_size=1"], "alone"),
+        (["method.budget=128", "batch_size=1"], "alone"),
     ):
         proc = subprocess.run(
             [*base, *args, f"results_dir={tmp_path / results}"],
@@ -76,7 +107,10 @@ def test_budget_list_equals_separate_runs(tmp_path):
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
     for budget in ("64", "128"):
-        folder = {d: tmp_path / d / "runs/ruler/tiny_llama/snapstream" / budget for d in ("shared", "alone")}
+        folder = {
+            d: tmp_path / d / f"runs/ruler/tiny_llama/snapstream/{budget}-window48"
+            for d in ("shared", "alone")
+        }
         a, b = (json.loads((folder[d] / "metrics.json").read_text()) for d in ("shared", "alone"))
         assert a["scores"] == b["scores"] and a["n"] == b["n"] == 6
         assert a["kv"] == b["kv"]
@@ -84,10 +118,11 @@ def test_budget_list_equals_separate_runs(tmp_path):
             d: [json.loads(x) for x in (folder[d] / "samples.jsonl").read_text().splitlines()] for d in folder
         }
         assert [r["predictions"] for r in rows["shared"]] == [r["predictions"] for r in rows["alone"]]
-        assert (folder["shared"] / "config.yaml").read_text().replace(str(tmp_path / "shared"), "X") == (
-            folder["alone"] / "config.yaml"
-        ).read_text().replace(str(tmp_path / "alone"), "X")
-    replayed = json.loads((tmp_path / "shared/runs/ruler/tiny_llama/snapstream/128/metrics.json").read_text())
+        config = {d: (folder[d] / "config.yaml").read_text().replace(str(tmp_path / d), "X") for d in folder}
+        assert config["shared"].replace("batch_size: 4", "batch_size: 1") == config["alone"]
+    replayed = json.loads(
+        (tmp_path / "shared/runs/ruler/tiny_llama/snapstream/128-window48/metrics.json").read_text()
+    )
     assert replayed["generation"]["prefills_replayed"] == 6
 
 

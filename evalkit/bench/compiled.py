@@ -1,6 +1,6 @@
 """Compiled vs eager decode: tokens/s of the full cache and SnapStream 512 after 2k-16k-token prompts, eager (the
 default cache) against the static cache through transformers' compiled forward (`evalkit.kv.generate`'s
-`compile=True` path: `KVCache(static=True)` + `compile_config`), with the roofline of each step.
+`compile=True` path: `StaticKVCache` + `compile_config`), with the roofline of each step.
 
 Per prompt, one recorded prefill fills every cache (same keys, same selection). Per method:
 - the compiled forward is compiled once on a throwaway cache of the same shape (`compile_s`). Dynamo is reset
@@ -30,7 +30,7 @@ from torch._dynamo.utils import counters
 from evalkit.bench.base import Context, Measurement
 from evalkit.bench.roofline import Bandwidth, floor_columns, roofline_note, weight_bytes
 from evalkit.bench.timing import label, prompt_ids, recorded_prefill, sync
-from evalkit.kv import Full, KVCache, SnapStream
+from evalkit.kv import Full, KVCache, SnapStream, StaticKVCache
 from evalkit.kv.generate import compile_config
 from evalkit.kv.prefill import PrefillRecord, populate
 
@@ -62,7 +62,8 @@ class Decode:
 def mode_cache(mode: str, method, model, record: PrefillRecord, ids, new_tokens: int) -> KVCache:
     """A cache holding the prompt for `mode`: the default one for eager, the static one (append methods sized
     to prompt + `new_tokens`) otherwise; built from the record, or by its own prefill (MLA models)."""
-    cache = KVCache.for_model(method, model, static=mode != "eager", max_new_tokens=new_tokens)
+    kind = KVCache if mode == "eager" else StaticKVCache
+    cache = kind.for_model(method, model, max_new_tokens=new_tokens)
     if record.usable:
         populate(cache, record)
     else:

@@ -11,11 +11,13 @@ from evalkit.kv.attention import attach, register
 from evalkit.kv.cache import KVCache
 from evalkit.kv.generate import generate
 from evalkit.kv.methods import Full, KVMethod, SnapKV, SnapStream, StreamingLLM
+from evalkit.kv.static import StaticKVCache
 
 register()
 
 __all__ = [
     "KVCache",
+    "StaticKVCache",
     "generate",
     "KVMethod",
     "Full",

@@ -11,6 +11,7 @@ import torch
 from transformers import CompileConfig
 
 from evalkit.kv.cache import KVCache
+from evalkit.kv.static import StaticKVCache
 
 
 def compile_config(model, backend="inductor", mode: str | None = None) -> CompileConfig:
@@ -55,9 +56,7 @@ def generate(
                 "compile: chunked prefill is not supported (the prefill compresses in one forward)"
             )
         gen_kwargs.setdefault("compile_config", compile_config(model))
-        cache = KVCache.for_model(
-            method, model, static=True, max_new_tokens=max_new_tokens_of(model, gen_kwargs)
-        )
+        cache = StaticKVCache.for_model(method, model, max_new_tokens=max_new_tokens_of(model, gen_kwargs))
     else:
         cache = KVCache.for_model(method, model)
     if attention_mask is None:

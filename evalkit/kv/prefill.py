@@ -44,6 +44,13 @@ def populate(cache, record: PrefillRecord) -> None:
     """Fill an empty KVCache from a record, exactly as its own prefill would have."""
     if not record.usable:
         raise ValueError("this prefill record is not usable (an MLA model's): prefill the cache itself")
+    window = getattr(cache.method, "window", 0)  # the queries this method scores the prompt with
+    if window > record.window:
+        raise ValueError(
+            f"{cache.method.name}: window={window} scores the prompt with its last {window} queries, but this "
+            f"prefill record holds {record.window}: record with PrefillRecord(window=...) at least the largest "
+            "window of the methods that replay it"
+        )
     for idx, layer in enumerate(cache.layers):
         keys, values, queries, scaling = record.layers[idx]
         layer.lazy_initialization(keys, values)

@@ -83,3 +83,22 @@ def group_mean(scores: torch.Tensor, num_cache_heads: int) -> torch.Tensor:
     """
     b, h_attn, t = scores.shape
     return scores.view(b, num_cache_heads, h_attn // num_cache_heads, t).mean(dim=2)
+
+
+def place_topk(pos: torch.Tensor, scores: torch.Tensor, rows, blocks: tuple[int, int, int]) -> None:
+    """Each KV head's top-K prompt positions, in order, into the top-K block of pos (B, H, n), in place.
+
+    scores (B, H, T) per KV head, -inf outside a row's candidates; a row's slots past its valid top-K stay -1
+    (empty), and rows kept whole (no top-K) keep their tail in those slots."""
+    b, h, t = scores.shape
+    sink, tail_long, topk = blocks
+    best = scores.topk(min(topk, t), dim=-1)  # -inf past a row's valid_topk
+    picked = torch.full((b, h, topk), t, dtype=best.indices.dtype, device=pos.device)  # (B, H, K)
+    picked[..., : best.indices.shape[-1]] = torch.where(
+        best.values > float("-inf"), best.indices - rows.pad[:, None, None], t
+    )
+    picked = picked.sort(dim=-1).values  # kept positions in order, then the padding (t)
+    block = slice(sink + tail_long, sink + tail_long + topk)
+    picked = torch.where(picked < t, picked, -1)
+    selecting = (rows.topk > 0)[:, None, None]  # rows kept whole use these slots for their tail
+    pos[:, :, block] = torch.where(selecting, picked, pos[:, :, block])

@@ -1,0 +1,100 @@
+"""Where each token lives in a compressed cache: the `[sink | tail | top-K]` slots of a row, planned at prefill.
+
+One formula places a position in the tail: `ring_slot`. The prefill plan uses it to lay out the prompt's tail,
+and every decode path (the dynamic cache, the static cache, the slot pool) uses it for the token it writes, so
+the layout after prefill and the ring at decode can never disagree. How many slots a request needs is
+`slots_needed`, the one answer the cache, the static cache and the engine's pool all size to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Rows:
+    """Per batch row bookkeeping shared by all layers (same prompt, same layout, different contents)."""
+
+    lengths: list[int]  # real prompt tokens per row (left pads excluded)
+    pad: torch.Tensor  # (B,) left pad columns
+    tail: torch.Tensor  # (B,) tail (ring) slots per row
+    topk: torch.Tensor  # (B,) valid top-K slots per row
+    n: int  # slots per row after prefill (the static size for ring methods)
+    base_pos: torch.Tensor  # (B, n) positions of sink/tail slots, -1 = empty or top-K (filled per layer)
+    candidates: torch.Tensor  # (B, T) bool: prompt columns eligible for the top-K block
+    valid: torch.Tensor  # (B, capacity) bool: slot holds a token (identical in every layer and head)
+    next_pos: torch.Tensor  # (B,) absolute position of the next token per row
+    filled: list[int]  # ring methods: valid slots per row, always a prefix [0, filled) of the row's slots
+
+
+def ring_slot(p, sink, tail):
+    """The slot of position `p`: itself below the sinks, else `sink + (p - sink) mod tail` (the oldest tail
+    entry is overwritten). Python ints, or tensors that broadcast (elementwise, no host sync)."""
+    if isinstance(p, int):
+        return p if p < sink else sink + (p - sink) % tail
+    return torch.where(p < sink, p, sink + (p - sink) % tail)
+
+
+def prompt_slots(method, width: int) -> int:
+    """Slots a prompt `width` columns wide takes per row: a ring's budget, else the kept prompt (all of it, or
+    the budget)."""
+    budget = getattr(method, "budget", None)
+    return budget if method.ring else (width if budget is None else min(width, budget))
+
+
+def slots_needed(method, prompt_len: int, max_new: int) -> int:
+    """Slots one request needs for its whole decode: a ring stays its budget, an append cache adds a slot per
+    generated token."""
+    return prompt_slots(method, prompt_len) + (0 if method.ring else max_new)
+
+
+def plan_rows(method, valid_cols: torch.Tensor) -> Rows:
+    """Block sizes and the sink/tail slot positions for a left-padded prompt batch, valid_cols (B, T)."""
+    b, t = valid_cols.shape
+    dev = valid_cols.device
+    lengths = valid_cols.sum(1)  # (B,)
+    pad = t - lengths
+    if not torch.equal(valid_cols, torch.arange(t, device=dev)[None, :] >= pad[:, None]):
+        raise ValueError("evalkit KV caches need left padding (tokenizer.padding_side = 'left')")
+    sink, tail_long, topk = method.blocks()
+    n = prompt_slots(method, t)
+    sink = min(sink, n)
+    # Whole prompt kept when it fits, except under the spec's fixed ring (`spare_slots="pad"`), whose short
+    # prompts keep their middle in the top-K block and leave the unused slots as padding.
+    whole = lengths <= n
+    if method.ring and getattr(method, "spare_slots", "ring") == "pad":
+        whole = torch.zeros_like(whole)
+    tail = torch.where(whole, n - sink, tail_long)  # (B,)
+    # --- sink and tail slot positions: each prompt position goes to its ring slot, the last one there stays
+    # (as if the prompt had been decoded through the ring; also used, harmlessly, to order append methods' tail)
+    p = torch.arange(t, device=dev)[None, :].expand(b, t)  # (B, T) positions, real or not
+    slot = ring_slot(p, sink, tail[:, None])  # (B, T), all < sink + tail <= n
+    held = torch.where(p < lengths[:, None], p, -1)  # positions past a row's prompt land nowhere
+    base_pos = torch.full((b, n), -1, dtype=p.dtype, device=dev).scatter_reduce(1, slot, held, "amax")
+    j = torch.arange(n, device=dev)[None, :]  # (1, n)
+    cols = torch.arange(t, device=dev)[None, :] - pad[:, None]  # (B, T) position of each column
+    candidates = (cols >= sink) & (cols < lengths[:, None] - tail[:, None])
+    k_rows = candidates.sum(1).clamp(max=topk)  # valid_topk per row
+    valid = (base_pos >= 0) | ((j >= sink + tail_long) & (j < sink + tail_long + k_rows[:, None]))
+    return Rows(
+        lengths=lengths.tolist(),
+        pad=pad,
+        tail=tail,
+        topk=k_rows,
+        n=n,
+        base_pos=base_pos,
+        candidates=candidates,
+        valid=valid,
+        next_pos=lengths.clone(),
+        filled=valid.sum(1).tolist(),
+    )
+
+
+def valid_columns(attention_mask, b: int, t: int, device) -> torch.Tensor:
+    """(B, T) bool: prompt columns that are real tokens, read off the last query row of the prefill mask."""
+    if attention_mask is None:  # transformers skips the mask when there is no padding (sdpa is_causal path)
+        return torch.ones(b, t, dtype=torch.bool, device=device)
+    last = attention_mask[:, 0, -1, -t:]  # (B, T)
+    return last if last.dtype == torch.bool else last == 0
