@@ -81,8 +81,8 @@ def labels(run: Run) -> dict:
     m = run.metrics
     return {
         "model": run.model, "task": run.task, "method": run.method, "settings": run.settings,
-        "budget": run.budget, "task_version": m.get("task_version"), "scorer_version": m.get("scorer_version"),
-        "data_source": (m.get("data") or {}).get("source"), "data_hash": (m.get("data") or {}).get("hash"),
+        "budget": run.budget, "task_version": m.task_version, "scorer_version": m.scorer_version,
+        "data_source": m.data_source, "data_hash": m.data_hash,
         "generation": run.identity["generation"], "run": run.rel,
     }  # fmt: skip
 
@@ -91,11 +91,11 @@ def long_rows(run: Run, pairing=None) -> list[dict]:
     """One row per score key (`metric/subset`), plus mean output tokens; paired columns where paired."""
     m = run.metrics
     base = labels(run) | {
-        "measured_compression": (m.get("kv") or {}).get("compression_ratio"),
-        "git_sha": (m.get("provenance") or {}).get("git_sha"),
+        "measured_compression": m.kv.get("compression_ratio"),
+        "git_sha": m.git_sha,
     }
     rows = []
-    for key, v in m["scores"].items():
+    for key, v in m.scores.items():
         metric, _, subset = key.partition("/")
         cell = pairing.cells.get(key, {}) if pairing else {}
         paired = {c: cell.get(c) for c in PAIRED} | {"paired_with": pairing.full.rel if pairing else None}
@@ -112,7 +112,7 @@ def long_rows(run: Run, pairing=None) -> list[dict]:
                 **paired,
             }
         )
-    gen = m.get("generation") or {}
+    gen = m.generation
     if gen.get("mean_output_tokens") is not None:
         rows.append(
             {
@@ -142,8 +142,8 @@ def _headline_records(runs: list[Run], pairings: dict) -> pd.DataFrame:
     for run in runs:
         p = pairings.get(run.rel)
         cell = p.cells.get(run.headline, {}) if p else {}
-        score = run.metrics["scores"].get(run.headline, {}).get("mean")
-        full = p.full.metrics["scores"].get(run.headline, {}).get("mean") if p else None
+        score = run.metrics.mean(run.headline)
+        full = p.full.metrics.mean(run.headline) if p else None
         recs.append(
             {
                 **{k: v for k, v in labels(run).items() if k in WIDE_INDEX},
@@ -209,14 +209,14 @@ def plot(runs: list[Run], out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 4))
         lines: dict[tuple, list] = {}
         for r in rs:
-            if head in r.metrics["scores"]:
+            if head in r.metrics.scores:
                 lines.setdefault((r.method, r.settings, r.identity["generation"]), []).append(r)
         for (method, sett, gen), members in sorted(lines.items(), key=lambda kv: tuple(map(str, kv[0]))):
             label = (
                 method + ("" if sett == "default" else f" {sett}") + (f" [{str(gen)[:6]}]" if several else "")
             )
             scores = [
-                (r.budget, r.metrics["scores"][head]["mean"], r.metrics["scores"][head].get("stderr") or 0)
+                (r.budget, r.metrics.scores[head]["mean"], r.metrics.scores[head].get("stderr") or 0)
                 for r in members
             ]
             if method == "full":

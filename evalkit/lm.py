@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -24,15 +23,11 @@ from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 from transformers import GenerationConfig
 
+from evalkit.journal import journal_record, journaled, keyed
 from evalkit.kv import Full
 from evalkit.sample import Sample, render_sample
-from evalkit.scoring import request_key
 
 DOC_FIELDS = {"id", "task", "prompt", "answers", "max_new_tokens"}
-
-
-def prompt_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def sample_prompt(tokenizer, sample: Sample) -> str:
@@ -82,16 +77,6 @@ class Prompt:
 def request_seed(seed: int, key: str) -> int:
     """A request's own sampling seed: a sample never depends on its batch, a resumed run samples the same."""
     return int(hashlib.sha256(f"{seed}/{key}".encode()).hexdigest()[:8], 16)
-
-
-def keyed(requests) -> list[str]:
-    """The journal key of each lm-eval request, in order (lm-eval repeats a request k times: repeat 0..k-1)."""
-    repeat, keys = Counter(), []
-    for req in requests:
-        base = (req.task_name, req.doc_id, req.idx)
-        keys.append(request_key(*base, repeat[base]))
-        repeat[base] += 1
-    return keys
 
 
 def stop_strings(p: Prompt) -> list[str]:
@@ -149,34 +134,6 @@ def finish_text(p: Prompt, text: str, until: list[str]) -> str:
     for stop in until:
         text = text.split(stop)[0]
     return "<think>\n" + text if p.text.endswith("<think>\n") else text
-
-
-def journal_record(p: Prompt, text: str, stats: dict) -> dict:
-    """One journal line (evalkit.results.RECORD_FIELDS): what scoring needs, keyed by request."""
-    task, doc_id, idx, rep = p.key.rsplit("/", 3)
-    return {
-        "key": p.key,
-        "task": task,
-        "doc_id": int(doc_id),
-        "repeat": int(rep),
-        "id": p.sample.id if p.sample else None,
-        "prompt_hash": prompt_hash(p.text),
-        "text": text,
-        "stats": stats,
-    }
-
-
-def journaled(journal, prompt: Prompt) -> dict | None:
-    """The journal's record of this request, if any; one made from another prompt is refused, never reused."""
-    done = journal.get(prompt.key) if journal else None
-    if done is not None and done["prompt_hash"] != prompt_hash(prompt.text):
-        from evalkit.config import ConfigError
-
-        raise ConfigError(
-            f"{journal.path}: request {prompt.key} was generated from a different prompt; the task data "
-            "changed since this run started. Delete the run folder to start over."
-        )
-    return done
 
 
 @register_model("evalkit")

@@ -25,6 +25,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from evalkit import metrics as metrics_record
 from evalkit.config import (
     CONF_DIR,
     ConfigError,
@@ -34,30 +35,18 @@ from evalkit.config import (
     method_class,
     model_spec,
 )
+from evalkit.identity import check_folder, classify
+from evalkit.journal import Journal, JournalError, request_keys
 from evalkit.models import ModelLoadError
-from evalkit.results import (
-    Journal,
-    RunInUse,
-    RunLock,
-    atomic_write,
-    config_yaml,
-    generation_yaml,
-    run_dir,
-    saved_config,
-    write_json,
-)
-from evalkit.scoring import JournalError
+from evalkit.results import RunInUse, RunLock, atomic_write, config_yaml, run_dir
 from evalkit.served import ServedSpec, provenance, served_lm
-from evalkit.summary import print_table, scoring_identity, summarize
+from evalkit.summary import print_table, summarize
+from evalkit.task import DataError
 
 TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
 _MODELS: dict[str, tuple] = {}  # one load per process across the jobs of a sweep
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # run-folder components: no separators, no "..", no "-x"
 log = logging.getLogger("evalkit")
-
-
-class DataError(RuntimeError):
-    """The task's data could not be loaded (missing file, bad source); the message says which and how to fix."""
 
 
 @dataclass(eq=False)
@@ -146,17 +135,6 @@ def plans_for(cfg: DictConfig) -> list[Plan]:
     return list(out.values())
 
 
-def check_folder(p: Plan) -> None:
-    """A folder holding a run of another configuration is refused, never mixed. Settings that only grade or
-    score (`task.setup`, the headline) may change: the run is then re-scored from its journal."""
-    saved = p.out / "config.yaml"
-    if saved.exists() and generation_yaml(saved_config(saved.read_text())) != generation_yaml(p.cfg):
-        raise ConfigError(
-            f"{p.out} holds a run with a different config (see its config.yaml). "
-            "Use another results_dir, or delete that folder to redo it."
-        )
-
-
 def check_writable(folder: Path) -> None:
     """Fail now, not after the model and data loaded, when results cannot be written; leaves nothing behind."""
     made, path = [], Path(folder).absolute()
@@ -198,28 +176,6 @@ def evaluated(p: Plan, loaded) -> list:
     return loaded.samples[: p.cfg.limit] if p.cfg.limit else loaded.samples
 
 
-def classify(p: Plan, loaded) -> str:
-    """done (skip), rescore (metrics from another scorer or grading settings) or new (no metrics yet). Changed
-    data under a finished run is an error, never a skip."""
-    path = p.out / "metrics.json"
-    if not path.exists():
-        return "new"
-    try:
-        old = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        old = None
-    if not isinstance(old, dict):
-        return "rescore"  # a damaged metrics.json is rebuilt from the journal
-    recorded = (old.get("data") or {}).get("hash")
-    if recorded is not None and recorded != loaded.data_hash:
-        raise DataError(
-            f"{p.out} was scored on data {recorded[:12]}..., but {loaded.source} now hashes to "
-            f"{loaded.data_hash[:12]}...: its generations answer other prompts. Restore the data, or delete the "
-            "folder to run again."
-        )
-    return "done" if (old.get("identity") or {}).get("scoring") == scoring_identity(p) else "rescore"
-
-
 def open_journal(p: Plan) -> Journal:
     journal = Journal(p.out / "generations.jsonl")
     for number, reason in journal.rejected:
@@ -233,8 +189,6 @@ def open_journal(p: Plan) -> Journal:
 
 def missing(p: Plan, loaded) -> int:
     """Requests of this run not in its journal yet (0: scoring needs no model)."""
-    from evalkit.scoring import request_keys
-
     keys = request_keys(p.cfg.task.lm_eval_task, len(evaluated(p, loaded)), int(p.cfg.task.repeats))
     return sum(k not in p.journal.records for k in keys)
 
@@ -320,7 +274,7 @@ def configure_task(p: Plan) -> dict | None:
 def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
     """Score every sample from the journal with the task's scorer; write samples.jsonl and metrics.json."""
     from evalkit.models import model_config, resolve_source
-    from evalkit.scoring import request_keys, score_journal
+    from evalkit.scoring import score_journal
 
     samples, task, k = evaluated(p, loaded), p.cfg.task.lm_eval_task, int(p.cfg.task.repeats)
     rows = score_journal(p.task_module, samples, p.journal, task, k, tokenizer)
@@ -328,13 +282,14 @@ def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
     now = sum(key in p.journal.generated_keys for key in keys)  # what this process really generated
     counts = {"from_journal": len(keys) - now, "generated_now": now}  # resumed, or a re-score
     metrics = summarize(p, loaded, rows, model_config(p.spec, resolve_source(p.spec)), context, counts)
-    if setup is not None:
-        metrics["task_setup"] = setup
+    metrics.task_setup = setup
     if isinstance(p.spec, ServedSpec):
-        metrics["served"] = provenance(p.out)  # the server's URL, model id and what it said about itself
+        metrics.extra["served"] = provenance(
+            p.out
+        )  # the server's URL, model id and what it said about itself
     atomic_write(p.out / "config.yaml", config_yaml(p.cfg))  # the grading settings now in force
     atomic_write(p.out / "samples.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    write_json(p.out / "metrics.json", metrics)
+    metrics_record.write(p.out / "metrics.json", metrics)
 
 
 # --- the recipe ------------------------------------------------------------------------------------------
@@ -344,7 +299,7 @@ def run(cfg: DictConfig) -> list[dict]:
 
     plans = plans_for(cfg)
     for p in plans:
-        check_folder(p)
+        check_folder(p.out, p.cfg)
         check_writable(p.out)
     spec = plans[0].spec
     context = context_length(spec, model_config(spec, resolve_source(spec)))
@@ -377,7 +332,7 @@ def run(cfg: DictConfig) -> list[dict]:
         if p.state == "done":
             print(f"evalkit: {p.out} is complete; skipping (delete it to rerun)")
         all_metrics.append(json.loads((p.out / "metrics.json").read_text()))
-        print_table(all_metrics[-1])
+        print_table(metrics_record.Metrics.from_json(all_metrics[-1]))
     return all_metrics
 
 

@@ -9,22 +9,8 @@ so paired statistics can match repeat r of one run with repeat r of another.
 
 from __future__ import annotations
 
-from evalkit.results import task_id
-from evalkit.sample import Sample
-
-
-class JournalError(RuntimeError):
-    """The journal does not hold what the run's samples need (the data or the prompts changed under it)."""
-
-
-def request_key(task: str, doc_id: int, idx: int, repeat: int) -> str:
-    """The journal key of one lm-eval request (`idx` is lm-eval's request index within a doc: 0 for generation).
-    The task part is evalkit's name for it (`task_id`), whatever namespace lm-eval registers it under."""
-    return f"{task_id(task)}/{doc_id}/{idx}/{repeat}"
-
-
-def request_keys(task: str, n_docs: int, repeats: int) -> list[str]:
-    return [request_key(task, d, 0, r) for d in range(n_docs) for r in range(repeats)]
+from evalkit.journal import JournalError, prompt_hash, request_key
+from evalkit.sample import Sample, render_sample
 
 
 def score_journal(
@@ -34,8 +20,6 @@ def score_journal(
 
     Every prediction must be journaled for this very prompt (same sample id and prompt hash), else this raises
     JournalError instead of scoring something else."""
-    from evalkit.lm import prompt_hash, sample_prompt
-
     preds: list[list[dict]] = []
     for doc_id, sample in enumerate(samples):
         recs = [journal.get(request_key(task, doc_id, 0, r)) for r in range(repeats)]
@@ -43,7 +27,7 @@ def score_journal(
             raise JournalError(
                 f"{journal.path}: sample {sample.id} (doc {doc_id}) has no generation for some repeat"
             )
-        want = prompt_hash(sample_prompt(tokenizer, sample))
+        want = prompt_hash(render_sample(tokenizer, sample))  # the text both LMs give the model
         bad = next((r for r in recs if r.get("id") != sample.id or r["prompt_hash"] != want), None)
         if bad is not None:
             raise JournalError(

@@ -39,15 +39,13 @@ from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompleti
 from omegaconf import OmegaConf
 
 from evalkit.config import ConfigError
+from evalkit.journal import journal_record, journaled, keyed
 from evalkit.lm import (
     Prompt,
     finish_text,
     fit_prompt,
     followup_prompt,
     generation_config,
-    journal_record,
-    journaled,
-    keyed,
     new_tokens_cap,
     request_prompt,
     request_seed,

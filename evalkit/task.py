@@ -24,6 +24,10 @@ from typing import Any
 from evalkit.sample import Sample, Skipped
 
 
+class DataError(RuntimeError):
+    """The task's data could not be loaded (missing file, bad source); the message says which and how to fix."""
+
+
 @dataclass
 class Loaded:
     samples: list[Sample]

@@ -7,7 +7,8 @@ import stat
 import pytest
 from omegaconf import OmegaConf
 
-from evalkit.results import Journal, RunInUse, RunLock, atomic_write, budget_tag, save_figure
+from evalkit.journal import Journal
+from evalkit.results import RunInUse, RunLock, atomic_write, budget_tag, save_figure
 from evalkit.task import subsample
 
 

@@ -182,8 +182,8 @@ def test_evalkit_scores_equal_lm_evals_process_results(tmp_path, monkeypatch):
     from lm_eval.api.model import LM
     from lm_eval.tasks import TaskManager, get_task_dict
 
+    from evalkit.journal import Journal
     from evalkit.lm import EvalkitLM
-    from evalkit.results import Journal
 
     run(*AIME, "task.repeats=2", results=tmp_path)  # sampled at T=0.6: the two repeats differ
     out = folder(tmp_path, "aime24", "streamingllm", "256")

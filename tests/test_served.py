@@ -22,7 +22,7 @@ import pytest
 import evalkit.run as runner
 import evalkit.task
 from evalkit.config import ConfigError, compose
-from evalkit.results import Journal
+from evalkit.journal import Journal
 from evalkit.served import ServedError
 
 ROOT = Path(__file__).resolve().parents[1]
