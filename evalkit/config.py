@@ -1,7 +1,8 @@
 """Config helpers: where `conf/` lives, composing it outside `@hydra.main`, and building objects from it.
 
 `_target_` is the only registry: `ls conf/method` is the method catalogue, `ls conf/model` the model list.
-Unknown names fail here with the list of valid choices, before any model loads.
+Unknown names fail here with the list of valid choices, before any model loads. A KV method is built from its
+conf by evalkit.kv.config (this module knows no method: the tasks' helpers import it).
 """
 
 from __future__ import annotations
@@ -10,13 +11,15 @@ from pathlib import Path
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
-from hydra.utils import get_class, instantiate
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+
+from evalkit.errors import EvalkitError
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
-class ConfigError(ValueError):
+class ConfigError(EvalkitError, ValueError):
     """Bad configuration: the message names the setting, the rule and, for names, the valid choices."""
 
 
@@ -44,60 +47,3 @@ def model_spec(name_or_cfg):
     """A `ModelSpec` from a model conf name or an already composed `model` config node."""
     cfg = group_config("model", name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
     return instantiate(cfg)
-
-
-def method_class(target: str):
-    """The class `_target_` names; it may only be an evalkit KV method (`_target_` is a registry, not an eval)."""
-    from evalkit.kv.methods import KVMethod
-
-    try:
-        cls = get_class(target) if isinstance(target, str) and target.startswith("evalkit.kv.") else None
-    except Exception:  # hydra reports a missing class with a bare Exception
-        cls = None
-    if not (isinstance(cls, type) and issubclass(cls, KVMethod)):
-        raise ConfigError(
-            f"method._target_ must name a KV method class in evalkit.kv (see conf/method/*.yaml), got {target!r}"
-        )
-    return cls
-
-
-def make_method(name_or_cfg, **overrides):
-    """A KV method from a conf name (`make_method("snapstream", budget=512)`) or a composed `method` node.
-
-    Invalid settings raise `ConfigError` naming the setting and the rule.
-    """
-    cfg = group_config("method", name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
-    cfg = OmegaConf.merge(cfg, overrides)
-    cls = method_class(cfg.get("_target_"))
-    check_types(cls, OmegaConf.to_container(cfg, resolve=True))
-    try:
-        return instantiate(cfg)
-    except Exception as e:  # hydra wraps the dataclass's ValueError in an InstantiationException
-        cause = e.__cause__ or e
-        if isinstance(cause, ValueError | TypeError):
-            raise ConfigError(str(cause)) from None
-        raise
-
-
-def check_types(cls, settings: dict) -> None:
-    """Each method setting has its field's type (`recent=../../y` is an error here, not a comparison crash)."""
-    import dataclasses
-    import typing
-
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    for key, value in settings.items():
-        if key in ("_target_", "budget"):  # budget: each method's own check names the rule (_check_budget)
-            continue
-        if key not in fields:
-            raise ConfigError(
-                f"method {cls.name}: unknown setting {key!r}; settings: {', '.join(sorted(fields))}"
-            )
-        allowed = typing.get_args(hints[key]) or (hints[key],)
-        if isinstance(value, bool) and bool not in allowed:
-            ok = False
-        else:
-            ok = any(value is None if t is type(None) else isinstance(value, t) for t in allowed)
-        if not ok:
-            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-            raise ConfigError(f"method {cls.name}: {key} must be {names}, got {value!r}")

@@ -14,6 +14,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from evalkit.errors import EvalkitError
 from evalkit.results import atomic_write
 
 # evalkit's lm-eval tasks are registered as `evalkit_<task>` so that no name collides with a task or group lm-eval
@@ -24,7 +25,7 @@ LM_EVAL_PREFIX = "evalkit_"
 RECORD_FIELDS = {"key": str, "doc_id": int, "repeat": int, "text": str, "prompt_hash": str, "stats": dict}
 
 
-class JournalError(RuntimeError):
+class JournalError(EvalkitError, RuntimeError):
     """The journal does not hold what the run's samples need (the data or the prompts changed under it)."""
 
 

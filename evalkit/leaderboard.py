@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from evalkit.errors import EvalkitError, exit_with
 from evalkit.report import settings as report_settings
 from evalkit.report.build import pair_all
 from evalkit.report.runs import Run, load_runs
@@ -266,7 +267,10 @@ def main(argv: list[str] | None = None) -> None:
             f"no runs under {results_dir / 'runs'}: run `make eval` first, or name another results_dir"
         )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    long, wide, plots = build(results_dir)
+    try:
+        long, wide, plots = build(results_dir)
+    except EvalkitError as e:  # e.g. a bad conf/report.yaml: the message names the setting
+        exit_with("python -m evalkit.leaderboard", e)
     print(f"{len(long)} rows from {long['run'].nunique()} runs")
     if not wide.empty:
         show = [

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from evalkit.errors import EvalkitError
+
 PACKAGES = ("evalkit", "torch", "transformers", "lm_eval", "datasets", "hydra-core", "pandas", "accelerate")
 
 
@@ -97,7 +99,7 @@ class RunLock:
             self._file = None
 
 
-class RunInUse(RuntimeError):
+class RunInUse(EvalkitError, RuntimeError):
     """Another live process holds the run folder's lock."""
 
 

@@ -31,15 +31,13 @@ from evalkit.config import (
     ConfigError,
     check_choice,
     group_config,
-    make_method,
-    method_class,
     model_spec,
 )
+from evalkit.errors import EvalkitError, exit_with
 from evalkit.identity import check_folder, classify
-from evalkit.journal import Journal, JournalError, request_keys
-from evalkit.models import ModelLoadError
-from evalkit.results import RunInUse, RunLock, atomic_write, config_yaml, run_dir
-from evalkit.served import ServedSpec, provenance, served_lm
+from evalkit.journal import Journal, request_keys
+from evalkit.kv.config import make_method, method_class
+from evalkit.results import RunLock, atomic_write, config_yaml, run_dir
 from evalkit.summary import print_table, summarize
 from evalkit.task import DataError
 
@@ -73,10 +71,7 @@ def plan(cfg: DictConfig) -> Plan:
                 f"{key} must be a plain name (letters, digits, '_', '.', '-', '+'), got {value!r}"
             )
     method_name = choices.get("method") or cfg.method._target_.rsplit(".", 1)[-1].lower()
-    if (
-        not getattr(method_class(cfg.method._target_), "budget_applies", True)
-        and cfg.method.get("budget") is not None
-    ):
+    if not method_class(cfg.method._target_).budget_applies and cfg.method.get("budget") is not None:
         # a sweep lists `full` beside compressed methods: its budgets all name the one uncompressed run
         log.info("%s keeps every entry: budget=%s does not apply", method_name, cfg.method.budget)
         cfg = OmegaConf.merge(cfg, {"method": {"budget": None}})
@@ -94,8 +89,7 @@ def plan(cfg: DictConfig) -> Plan:
         if not _int(getattr(task_module, attr, None)):
             raise ConfigError(f"task module {cfg.task.module} must define {attr} (an int, {what})")
     spec = model_spec(cfg.model)
-    if isinstance(spec, ServedSpec):  # evalkit.served: method full, a valid address, a tokenizer
-        spec.check(method_name)
+    spec.check(method_name)  # a served model: method full, a valid address, a tokenizer
     return Plan(cfg, method, spec, task_module, out)
 
 
@@ -205,35 +199,15 @@ def get_model(spec):
 
 
 def generate(plans: list[Plan], load_kwargs: dict, context: int) -> None:
-    """Fill the journals: lm-eval builds the requests, the evalkit model generates what is not journaled yet.
-    Every budget after the first replays the first's prefills."""
-    from evalkit.lm import EvalkitLM
-
+    """Fill the journals: lm-eval builds the requests, the model's LM generates what is not journaled yet. Every
+    budget after the first replays the first's prefills. The LM is made (the weights loaded, or the server
+    checked) before any config.yaml is written."""
     p = plans[0]
-    if isinstance(p.spec, ServedSpec):  # no model here: the server is checked before anything is written
-        from evalkit.models import tokenizer_path
-        from evalkit.task import get_tokenizer
-
-        tokenizer = get_tokenizer(tokenizer_path(p.spec))
-        lm = served_lm(p.spec, tokenizer, context, p.journal, p.out, seed=p.cfg.seed)
-        atomic_write(p.out / "config.yaml", config_yaml(p.cfg))
-        return lm_eval_generate(p, lm, load_kwargs)
-    model, tokenizer = get_model(p.spec)
+    lm = p.spec.make_lm(
+        plans, context, lambda spec: get_model(spec)
+    )  # get_model looked up now: tests patch it
     for q in plans:
         atomic_write(q.out / "config.yaml", config_yaml(q.cfg))
-    also = [(q.method, q.journal) for q in plans[1:]]
-    lm = EvalkitLM(
-        model=p.spec,
-        hf_model=model,
-        tokenizer=tokenizer,
-        batch_size=p.cfg.batch_size,
-        max_length=context,
-        seed=p.cfg.seed,
-        method=p.method,
-        journal=p.journal,
-        also=also,
-        compile=p.cfg.compile,
-    )
     lm_eval_generate(p, lm, load_kwargs)
 
 
@@ -283,10 +257,7 @@ def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
     counts = {"from_journal": len(keys) - now, "generated_now": now}  # resumed, or a re-score
     metrics = summarize(p, loaded, rows, model_config(p.spec, resolve_source(p.spec)), context, counts)
     metrics.task_setup = setup
-    if isinstance(p.spec, ServedSpec):
-        metrics.extra["served"] = provenance(
-            p.out
-        )  # the server's URL, model id and what it said about itself
+    metrics.extra.update(p.spec.extra_metrics(p.out))
     atomic_write(p.out / "config.yaml", config_yaml(p.cfg))  # the grading settings now in force
     atomic_write(p.out / "samples.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     metrics_record.write(p.out / "metrics.json", metrics)
@@ -342,9 +313,8 @@ def main(cfg: DictConfig) -> None:
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     try:
         run(cfg)
-    except (ConfigError, ModelLoadError, DataError, RunInUse, JournalError) as e:
-        print(f"evalkit: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except EvalkitError as e:
+        exit_with("evalkit", e)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ so paired statistics can match repeat r of one run with repeat r of another.
 from __future__ import annotations
 
 from evalkit.journal import JournalError, prompt_hash, request_key
-from evalkit.sample import Sample, render_sample
+from evalkit.request import sample_prompt
+from evalkit.sample import Sample
 
 
 def score_journal(
@@ -27,7 +28,7 @@ def score_journal(
             raise JournalError(
                 f"{journal.path}: sample {sample.id} (doc {doc_id}) has no generation for some repeat"
             )
-        want = prompt_hash(render_sample(tokenizer, sample))  # the text both LMs give the model
+        want = prompt_hash(sample_prompt(tokenizer, sample))
         bad = next((r for r in recs if r.get("id") != sample.id or r["prompt_hash"] != want), None)
         if bad is not None:
             raise JournalError(

@@ -20,27 +20,6 @@ def resolved_revision(spec) -> dict:
     return fingerprint(spec)
 
 
-def model_source(spec) -> str:
-    """Where the weights came from, precisely enough to reload the same ones."""
-    from importlib import metadata
-
-    if getattr(
-        spec, "base_url", None
-    ):  # evalkit.served: the weights are the server's, only its tokenizer is here
-        return f"served:{spec.base_url} (model {spec.model_id or 'the one it serves'}; tokenizer {spec.tokenizer})"
-    if spec.gguf:
-        version = metadata.version(spec.gguf["package"].replace("_", "-"))
-        return (
-            f"gguf:{spec.gguf['package']}=={version}/{spec.gguf['file']} "
-            f"(dequantised to {spec.dtype}; hub original {spec.id})"
-        )
-    if spec.random is not None:
-        return f"random:seed={spec.seed} (tokenizer {spec.tokenizer})"
-    if spec.path:
-        return f"local:{spec.path}"
-    return f"hub:{spec.id}@{spec.revision or 'main (unpinned: set model.revision for reproducible numbers)'}"
-
-
 def _mean(xs):
     xs = list(xs)
     return statistics.fmean(xs) if xs else None
@@ -91,14 +70,14 @@ def summarize(plan, loaded, rows: list[dict], model_config, context: int, journa
         headline=cfg.task.headline,
         model={
             "name": cfg.model.name,
-            "source": model_source(plan.spec),
+            "source": plan.spec.source_label(),
             "revision": resolved_revision(plan.spec),
             "dtype": plan.spec.dtype,
             "context": context,
             "hf_config": model_config.to_dict(),
         },
         method={**method.describe(), "conf": plan.out.parent.name, "tag": plan.out.name},
-        budget=getattr(method, "budget", None),
+        budget=method.budget,
         n=len(rows),
         n_skipped=len(loaded.skipped),
         skipped=[{"id": s.id, "reason": s.reason} for s in loaded.skipped],

@@ -11,7 +11,9 @@ import pytest
 import evalkit.run as runner
 import evalkit.task
 from evalkit.config import ConfigError, compose
-from evalkit.results import RunLock
+from evalkit.journal import JournalError
+from evalkit.results import RunInUse, RunLock
+from evalkit.task import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 RULER = [
@@ -92,7 +94,7 @@ def test_a_finished_run_on_changed_data_is_refused_not_skipped(tmp_path):
     row = json.loads(rows[0])
     row["problem"] += " (edited)"
     data.write_text("\n".join([json.dumps(row), *rows[1:]]) + "\n")
-    with pytest.raises(runner.DataError, match="now hashes to"):
+    with pytest.raises(DataError, match="now hashes to"):
         run(*AIME, f"task.load.source={data}", results=tmp_path / "r")
 
 
@@ -104,7 +106,7 @@ def test_a_journal_for_other_prompts_is_refused_when_scoring(tmp_path, monkeypat
     (out / "generations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     (out / "metrics.json").unlink()
     monkeypatch.setattr(runner, "get_model", lambda spec: pytest.fail("loaded"))
-    with pytest.raises(runner.JournalError, match="generated for another prompt"):
+    with pytest.raises(JournalError, match="generated for another prompt"):
         run(*RULER, "method.budget=64", results=tmp_path)
 
 
@@ -150,7 +152,7 @@ def test_results_dir_that_is_a_file_fails_early_and_leaves_nothing(tmp_path, no_
 def test_zero_samples_fail_before_the_model_with_the_reasons(content, message, tmp_path, no_model):
     data = tmp_path / "aime.jsonl"
     data.write_text(content)
-    with pytest.raises(runner.DataError, match=message):
+    with pytest.raises(DataError, match=message):
         run(*AIME, f"task.load.source={data}", results=tmp_path / "r")
     assert not (tmp_path / "r" / "runs").exists()
 
@@ -168,7 +170,7 @@ def test_a_second_process_on_the_same_folder_is_refused(tmp_path):
     lock = RunLock(out)
     lock.acquire()
     try:
-        with pytest.raises(runner.RunInUse, match="is being run by pid"):
+        with pytest.raises(RunInUse, match="is being run by pid"):
             run(*RULER, "method.budget=64", results=tmp_path)
     finally:
         lock.release()
@@ -228,7 +230,7 @@ def test_evalkit_scores_equal_lm_evals_process_results(tmp_path, monkeypatch):
 def test_a_malformed_data_file_is_named_in_the_error(tmp_path, no_model):
     essay = tmp_path / "PaulGrahamEssays.json"
     essay.write_text('{"text": "an essay", oops}')
-    with pytest.raises(runner.DataError, match=f"{essay}: not valid JSON \\(line 1, column 22"):
+    with pytest.raises(DataError, match=f"{essay}: not valid JSON \\(line 1, column 22"):
         run(
             "model=tiny_llama",
             "task=ruler_paper",

@@ -288,7 +288,7 @@ def test_the_chat_api_sends_the_samples_messages(fake, tmp_path):
 
 
 def test_the_chat_api_continues_an_answer_prefix():
-    from evalkit.lm import Prompt
+    from evalkit.request import Prompt
     from evalkit.sample import Sample
     from evalkit.served import ServedChat, ServedSpec
 
@@ -315,7 +315,7 @@ def test_the_chat_api_continues_an_answer_prefix():
 @pytest.mark.parametrize("own", [dict(rendered=True), dict(meta={"prompt_template": "meta-llama3"})])
 def test_the_chat_api_refuses_a_prompt_that_carries_its_own_template(own):
     """livecodebench_r1's raw DeepSeek string, RULER's meta-llama3 text: a server's chat template would wrap them."""
-    from evalkit.lm import Prompt
+    from evalkit.request import Prompt
     from evalkit.sample import Sample
     from evalkit.served import ServedChat, ServedSpec, _Final
 

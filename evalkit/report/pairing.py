@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from evalkit import identity
+from evalkit.errors import EvalkitError
 from evalkit.report.runs import Run, RunError
 from evalkit.report.stats import StatSettings, compare
 
 
-class PairingError(ValueError):
+class PairingError(EvalkitError, ValueError):
     """Two runs that must not be compared; the message names both folders and what differs."""
 
 

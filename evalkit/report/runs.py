@@ -11,13 +11,14 @@ from functools import cached_property
 from pathlib import Path
 
 from evalkit import metrics as metrics_record
+from evalkit.errors import EvalkitError
 from evalkit.identity import hashes
 from evalkit.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 
-class RunError(ValueError):
+class RunError(EvalkitError, ValueError):
     """A run that cannot be used as asked: an unreadable or empty samples.jsonl, a run without identity
     fields. The message names the run folder."""
 
