@@ -104,6 +104,21 @@ def journaled(journal, prompt) -> dict | None:
 
 
 # --- the file ------------------------------------------------------------------------------------------------
+NOT_UTF8, NOT_JSON = "not valid UTF-8", "not valid JSON"
+
+
+def _parse(line: bytes) -> tuple[dict | None, str | None]:
+    """(record, None) for a usable journal line, else (None, why not)."""
+    try:
+        rec = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, NOT_UTF8
+    except json.JSONDecodeError:
+        return None, NOT_JSON
+    problem = record_problem(rec)
+    return (rec, None) if problem is None else (None, problem)
+
+
 class Journal:
     """Append-only JSONL of finished generations keyed by request; the resume point after a crash.
 
@@ -127,19 +142,15 @@ class Journal:
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held open for the run, closed in close())
 
     def _load(self) -> None:
-        raw = self.path.read_text(encoding="utf-8")
-        lines = raw.split("\n")
+        raw = self.path.read_bytes()  # bytes: a kill can cut a line inside a multi-byte character
+        lines = raw.split(b"\n")
         good, bad = [], []
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                if number == len(lines):  # no newline after it: the torn write of a killed run
-                    continue
-                rec = None
-            problem = "not valid JSON" if rec is None else record_problem(rec)
+            rec, problem = _parse(line)
+            if problem in (NOT_JSON, NOT_UTF8) and number == len(lines):  # no newline after it: a torn write
+                continue
             if problem is None and rec["key"] in self.records:
                 continue  # a duplicate of a finished request: the first one stands
             if problem is not None:
@@ -149,9 +160,9 @@ class Journal:
             self.records[rec["key"]] = rec
             good.append(line)
         if bad:
-            with open(self.path.with_name(self.path.name + ".rejected"), "a", encoding="utf-8") as f:
-                f.write("".join(b + "\n" for b in bad))
-        clean = "".join(g + "\n" for g in good)
+            with open(self.path.with_name(self.path.name + ".rejected"), "ab") as f:
+                f.write(b"".join(b + b"\n" for b in bad))
+        clean = b"".join(g + b"\n" for g in good)
         if clean != raw:  # torn, foreign or duplicate lines dropped; end on a newline before appending again
             atomic_write(self.path, clean)
 
