@@ -126,8 +126,9 @@ def check_folder(out: Path, cfg: DictConfig) -> None:
 
 
 def classify(plan, loaded) -> str:
-    """done (skip), rescore (metrics from another scorer or grading settings) or new (no metrics yet). Changed
-    data under a finished run is an error (DataError), never a skip."""
+    """done (skip), rescore (metrics from another scorer or grading settings), rebuild (finished, but its
+    samples.jsonl is gone: scored again from the journal) or new (no metrics yet). Changed data under a finished
+    run is an error (DataError), never a skip."""
     from evalkit import metrics
     from evalkit.task import DataError
 
@@ -145,4 +146,6 @@ def classify(plan, loaded) -> str:
             f"{loaded.data_hash[:12]}...: its generations answer other prompts. Restore the data, or delete the "
             "folder to run again."
         )
-    return "done" if (old.identity or {}).get("scoring") == scoring_identity(plan) else "rescore"
+    if (old.identity or {}).get("scoring") != scoring_identity(plan):
+        return "rescore"
+    return "done" if (plan.out / "samples.jsonl").is_file() else "rebuild"

@@ -54,7 +54,8 @@ class Plan:
     spec: object
     task_module: object
     out: Path
-    state: str = "new"  # new (no metrics yet), rescore (metrics from another scorer), done (skipped)
+    # new (no metrics yet), rescore (metrics from another scorer), rebuild (samples.jsonl lost), done (skipped)
+    state: str = "new"
     journal: Journal | None = field(default=None, repr=False)
 
 
@@ -288,6 +289,8 @@ def run(cfg: DictConfig) -> list[dict]:
         if todo:
             generate(todo, load_kwargs, context)
         for p in plans:
+            if p.state == "rebuild":
+                print(f"evalkit: {p.out}: samples.jsonl is missing; rebuilding it from its journal")
             if p.state == "rescore":
                 print(f"evalkit: {p.out}: scorer or grading settings changed; re-scoring from its journal")
             if p.state != "done":

@@ -86,6 +86,23 @@ def test_a_changed_headline_rescores_and_a_changed_generation_setting_is_refused
         run(*RULER, "method.budget=64", "seed=5", results=tmp_path)
 
 
+def test_a_finished_run_without_its_samples_is_rebuilt_from_the_journal(tmp_path, monkeypatch, capsys):
+    """samples.jsonl deleted (or lost) under a finished run: rebuilt from the journal without a model, equal to
+    what it was, instead of the run being skipped as complete forever."""
+    args = [*RULER, "method.budget=64"]
+    run(*args, results=tmp_path)
+    out = folder(tmp_path)
+    samples, journal = (out / "samples.jsonl").read_bytes(), (out / "generations.jsonl").read_bytes()
+    (out / "samples.jsonl").unlink()
+    monkeypatch.setattr(runner, "get_model", lambda spec: pytest.fail("rebuilding loaded the model"))
+    capsys.readouterr()
+    again = run(*args, results=tmp_path)[0]
+    assert "samples.jsonl is missing; rebuilding it from its journal" in capsys.readouterr().out
+    assert (out / "samples.jsonl").read_bytes() == samples
+    assert (out / "generations.jsonl").read_bytes() == journal
+    assert again["generation"]["generated_now"] == 0 and again["generation"]["from_journal"] == 2
+
+
 def test_a_finished_run_on_changed_data_is_refused_not_skipped(tmp_path):
     data = tmp_path / "aime.jsonl"
     shutil.copy(ROOT / "tasks/aime24/data/sample.jsonl", data)
