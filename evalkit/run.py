@@ -36,7 +36,7 @@ from evalkit.config import (
 from evalkit.errors import EvalkitError, exit_with
 from evalkit.identity import check_folder, classify
 from evalkit.journal import Journal, request_keys
-from evalkit.kv.config import make_method, method_class
+from evalkit.kv.config import canonical, make_method, method_class
 from evalkit.results import RunLock, atomic_write, config_yaml, run_dir
 from evalkit.summary import print_table, summarize
 from evalkit.task import DataError
@@ -77,8 +77,11 @@ def plan(cfg: DictConfig) -> Plan:
         log.info("%s keeps every entry: budget=%s does not apply", method_name, cfg.method.budget)
         cfg = OmegaConf.merge(cfg, {"method": {"budget": None}})
     method = make_method(cfg.method)
+    defaults = group_config("method", method_name)
+    if (same := canonical(cfg.method, method, defaults)) is not cfg.method:  # e.g. recent=32 at budget 256
+        cfg = OmegaConf.merge(cfg, {"method": same})
     check_run_settings(cfg)
-    out = run_dir(cfg, method_name, group_config("method", method_name))
+    out = run_dir(cfg, method_name, defaults)
     try:
         task_module = importlib.import_module(cfg.task.module)
     except ImportError as e:

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 import evalkit.run as runner
 import evalkit.task
@@ -270,3 +271,40 @@ def test_an_unparsable_json_line_is_a_skipped_row_named_by_file_and_line(tmp_pat
         ("aime.jsonl:2", "line 2 is not valid JSON (Unterminated string starting at)")
     ]
     assert len(loaded.samples) == len(rows)
+
+
+def test_a_method_setting_equal_to_its_default_is_the_default_run(tmp_path):
+    """`method.recent=32` at budget 256 is what the default (budget // 8) resolves to: the same folder, config and
+    identity as the default run, so it is skipped or resumed, never run again into a second folder; at budget 512
+    (default recent 64) it is a setting of its own."""
+
+    def planned(*overrides):
+        return runner.plan(compose(overrides=[*RULER, *overrides, f"results_dir={tmp_path}"]))
+
+    default = planned("method.budget=256")
+    same = planned("method.budget=256", "method.recent=32")
+    assert same.out == default.out and same.out.name == "256"
+    assert OmegaConf.to_yaml(same.cfg) == OmegaConf.to_yaml(default.cfg)
+    assert planned("method.budget=512", "method.recent=32").out.name == "512-recent32"
+    assert planned("method.budget=256", "method.recent=64").out.name == "256-recent64"
+
+
+def test_settings_are_canonicalised_one_at_a_time_with_the_others_as_given(tmp_path):
+    """recent=32 is the default recent at budget 64 only with the default window (max(64 // 8, 32)); with
+    window=16 the default would be 16, so recent=32 is a setting of its own there."""
+    plan = runner.plan(
+        compose(
+            overrides=[
+                *RULER,
+                "method.budget=64",
+                "method.recent=32",
+                "method.window=16",
+                f"results_dir={tmp_path}",
+            ]
+        )
+    )
+    assert plan.out.name == "64-recent32-window16" and plan.method.recent == 32
+    plan = runner.plan(
+        compose(overrides=[*RULER, "method.budget=64", "method.recent=32", f"results_dir={tmp_path}"])
+    )
+    assert plan.out.name == "64"

@@ -4,7 +4,7 @@ and invalid settings raise `ConfigError` naming the setting and the rule, before
 from __future__ import annotations
 
 from hydra.utils import get_class, instantiate
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from evalkit.config import ConfigError, group_config
 from evalkit.kv.methods import KVMethod
@@ -63,3 +63,22 @@ def check_types(cls, settings: dict) -> None:
         if not ok:
             names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
             raise ConfigError(f"method {cls.name}: {key} must be {names}, got {value!r}")
+
+
+def canonical(method_cfg: DictConfig, method: KVMethod, defaults: DictConfig) -> DictConfig:
+    """`method_cfg` with each setting that makes the same method as its conf default written as that default
+    (`recent=32` at budget 256 and window 32, where the default `recent: null` resolves to budget // 8 = 32): one
+    configuration gets one run folder, one config.yaml and one identity, however it was spelled. Each setting is
+    tried with the others as given (they interact: the default recent is at least the window)."""
+    out = method_cfg
+    for key in [k for k in method_cfg if k not in ("_target_", "budget") and k in defaults]:
+        if out[key] == defaults[key]:
+            continue
+        trial = OmegaConf.merge(out, {key: defaults[key]})
+        try:
+            same = make_method(trial) == method  # every field as made, derived ones included
+        except ConfigError:  # the default does not hold with the other settings: this one is needed
+            same = False
+        if same:
+            out = trial
+    return out
