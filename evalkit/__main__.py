@@ -1,6 +1,7 @@
 import sys
 
-from evalkit.config import ConfigError, check_overrides
+from evalkit.config import ConfigError
+from evalkit.overrides import check_overrides
 from evalkit.run import main
 
 try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 
 import torch
 
@@ -68,7 +67,8 @@ def run(model, tokenizer, methods, length: int = 1500, n: int = 3, max_new_token
 
 def parse_args(argv: list[str] | None = None):
     """(arguments, methods), every value checked before the model loads: a bad one is a usage error."""
-    from evalkit.config import ConfigError, check_choice, make_method
+    from evalkit.config import ConfigError, check_choice
+    from evalkit.kv.config import make_method
 
     ap = argparse.ArgumentParser(prog="python -m evalkit.demo", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2_135m", help="a model conf name (conf/model/)")
@@ -93,24 +93,20 @@ def parse_args(argv: list[str] | None = None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from evalkit.config import model_spec
-    from evalkit.models import ModelLoadError, context_length, load_model, model_config, resolve_source
+    from evalkit.config import ConfigError, model_spec
+    from evalkit.errors import EvalkitError, exit_with
+    from evalkit.models import load_model
+    from evalkit.sources import context_length, model_config, resolve_source
 
     args, methods = parse_args(argv)
     try:
         spec = model_spec(args.model)
         context = context_length(spec, model_config(spec, resolve_source(spec)))
         if args.length > context:  # refused before the weights load, as the runner refuses long lengths
-            print(
-                f"python -m evalkit.demo: error: --length ({args.length}) exceeds {args.model}'s context of "
-                f"{context} tokens",
-                file=sys.stderr,
-            )
-            sys.exit(2)
+            raise ConfigError(f"--length ({args.length}) exceeds {args.model}'s context of {context} tokens")
         model, tokenizer = load_model(spec)
-    except ModelLoadError as e:  # missing weights, no hub access: the message says what to do
-        print(f"python -m evalkit.demo: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except EvalkitError as e:  # missing weights, no hub access: the message says what to do
+        exit_with("python -m evalkit.demo", e)
     print(f"{'method':<13}{'budget':>7}  {'expected':>9}  {'answer':<28}{'kept':>6}{'KV bytes':>12}")
     for r in run(model, tokenizer, methods, args.length, args.n):
         mark = "ok  " if r["retrieved"] else "MISS"

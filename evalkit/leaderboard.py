@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from evalkit.errors import EvalkitError, exit_with
 from evalkit.report import settings as report_settings
 from evalkit.report.build import pair_all
 from evalkit.report.runs import Run, load_runs
@@ -97,8 +98,8 @@ def labels(run: Run) -> dict:
     m = run.metrics
     return {
         "model": run.model, "task": run.task, "method": run.method, "settings": run.settings,
-        "budget": run.budget, "task_version": m.get("task_version"), "scorer_version": m.get("scorer_version"),
-        "data_source": (m.get("data") or {}).get("source"), "data_hash": (m.get("data") or {}).get("hash"),
+        "budget": run.budget, "task_version": m.task_version, "scorer_version": m.scorer_version,
+        "data_source": m.data_source, "data_hash": m.data_hash,
         "generation": run.identity["generation"], "run": run.rel,
     }  # fmt: skip
 
@@ -106,16 +107,16 @@ def labels(run: Run) -> dict:
 def long_rows(run: Run, pairing=None) -> list[dict]:
     """One row per score key (`metric/subset`), plus mean output tokens; paired columns where paired."""
     m = run.metrics
-    kv, gen = m.get("kv") or {}, m.get("generation") or {}
+    kv, gen = m.kv, m.generation
     base = labels(run) | {
         "measured_compression": kv.get("compression_ratio"),
         "kv_peak_bytes": kv.get("peak_bytes"),
         "wall_time_s": gen.get("wall_time_s"),
         "mean_output_tokens": gen.get("mean_output_tokens"),
-        "git_sha": (m.get("provenance") or {}).get("git_sha"),
+        "git_sha": m.git_sha,
     }
     rows = []
-    for key, v in m["scores"].items():
+    for key, v in m.scores.items():
         metric, _, subset = key.partition("/")
         cell = pairing.cells.get(key, {}) if pairing else {}
         paired = {c: cell.get(c) for c in PAIRED} | {"paired_with": pairing.full.rel if pairing else None}
@@ -180,8 +181,8 @@ def _headline_records(runs: list[Run], pairings: dict) -> pd.DataFrame:
     for run in runs:
         p = pairings.get(run.rel)
         cell = p.cells.get(run.headline, {}) if p else {}
-        score = run.metrics["scores"].get(run.headline, {})
-        full = p.full.metrics["scores"].get(run.headline, {}) if p else {}
+        score = run.metrics.scores.get(run.headline, {})
+        full = p.full.metrics.scores.get(run.headline, {}) if p else {}
         recs.append(
             {
                 **{k: v for k, v in labels(run).items() if k in WIDE_INDEX},
@@ -252,8 +253,8 @@ def _set_labels(sets: dict[str, list[Run]]) -> dict[str, str]:
     for g, r in first.items():
         parts = [f"{k}={flat[g].get(k)}" for k in differ]
         if not parts and len(sets) > 1:  # same recorded config: the data or the task version differs
-            parts = [f"task_version {r.metrics.get('task_version')}, data {str(labels(r)['data_hash'])[:8]}"]
-        out[g] = ", ".join(parts + [f"{r.metrics.get('n', '?')} problems"])
+            parts = [f"task_version {r.metrics.task_version}, data {str(labels(r)['data_hash'])[:8]}"]
+        out[g] = ", ".join(parts + [f"{r.metrics.n if r.metrics.n is not None else '?'} problems"])
     return out
 
 
@@ -263,7 +264,7 @@ def panels(runs: list[Run]) -> dict[tuple[str, str], list[dict]]:
     {label: [(budget, mean, se)]}}; lines are labelled by method and its settings."""
     groups: dict[tuple, dict[str, list[Run]]] = {}
     for r in runs:
-        if r.headline in r.metrics["scores"]:
+        if r.headline in r.metrics.scores:
             groups.setdefault((r.task, r.model), {}).setdefault(str(r.identity["generation"]), []).append(r)
     out = {}
     for key, sets in sorted(groups.items()):
@@ -272,7 +273,7 @@ def panels(runs: list[Run]) -> dict[tuple[str, str], list[dict]]:
         for gen, rs in sorted(sets.items(), key=lambda kv: names[kv[0]]):
             panel = {"title": names[gen], "full": [], "lines": {}}
             for r in sorted(rs, key=lambda r: (r.method, r.settings, r.budget or 0)):
-                v = r.metrics["scores"][r.headline]
+                v = r.metrics.scores[r.headline]
                 label = _config(r.method, r.settings)
                 if r.is_full:
                     panel["full"].append((label, v["mean"], v.get("stderr") or 0.0, v.get("n")))
@@ -287,7 +288,7 @@ def _config(method: str, settings: str) -> str:
 
 
 def _model_title(rs: list[Run]) -> str:
-    m = rs[0].metrics["model"]
+    m = rs[0].metrics.model
     return f"{m['name']} ({m.get('dtype', '?')} weights; hardware not recorded by the run)"
 
 
@@ -372,7 +373,10 @@ def main(argv: list[str] | None = None) -> None:
             f"no runs under {results_dir / 'runs'}: run `make eval` first, or name another results_dir"
         )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    long, wide, plots = build(results_dir)
+    try:
+        long, wide, plots = build(results_dir)
+    except EvalkitError as e:  # e.g. a bad conf/report.yaml: the message names the setting
+        exit_with("python -m evalkit.leaderboard", e)
     print(f"{len(long)} rows from {long['run'].nunique()} runs")
     if not wide.empty:
         show = [

@@ -13,171 +13,27 @@ text. With a journal it records each finished generation (resume after a crash) 
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from lm_eval.models.huggingface import HFLM
+from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import GenerationConfig
 
+from evalkit.journal import journal_record, journaled, keyed
 from evalkit.kv import Full
-from evalkit.sample import Sample, render_sample
-from evalkit.scoring import request_key
-
-DOC_FIELDS = {"id", "task", "prompt", "answers", "max_new_tokens"}
-
-
-def prompt_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def sample_prompt(tokenizer, sample: Sample) -> str:
-    """The exact text the model is given for an evalkit sample (journaled by its hash, checked on re-scoring)."""
-    return render_sample(tokenizer, sample)
-
-
-def generation_config(gen: dict, max_new_tokens: int, eos: list[int], pad: int) -> GenerationConfig:
-    """Exactly the task's decoding settings: nothing leaks in from the model's own generation_config.
-
-    evalkit choice: top_k is off unless the task sets it (vLLM/OpenAI-style servers, which the upstream
-    protocols used, apply no top-k; Hugging Face's default would be 50).
-    """
-    temperature = float(gen.get("temperature", 0.0) or 0.0)
-    sample = bool(gen.get("do_sample", temperature > 0)) and temperature > 0
-    settings = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, do_sample=sample)
-    # transformers fills fields left unset from the model's generation_config: pin the neutral values
-    settings.update(
-        repetition_penalty=1.0,
-        no_repeat_ngram_size=0,
-        typical_p=1.0,
-        epsilon_cutoff=0.0,
-        eta_cutoff=0.0,
-        min_p=None,
-        min_new_tokens=0,
-    )
-    if sample:
-        settings.update(
-            temperature=temperature, top_p=float(gen.get("top_p", 1.0)), top_k=int(gen.get("top_k", 0))
-        )
-    return GenerationConfig(**settings)
-
-
-@dataclass
-class Prompt:
-    key: str
-    text: str
-    max_new: int
-    gen: dict  # the request's generation kwargs (until, sampling)
-    sample: Sample | None = None
-    # "module:function" making a second call from the first output (LongBench CoT)
-    followup: str | None = None
-
-
-# --- what every evalkit LM shares (EvalkitLM here, the served LM in evalkit.served): request keys, prompts, the
-# context fit, output post-processing and journal records, so both see and record exactly the same things ----------
-def request_seed(seed: int, key: str) -> int:
-    """A request's own sampling seed: a sample never depends on its batch, a resumed run samples the same."""
-    return int(hashlib.sha256(f"{seed}/{key}".encode()).hexdigest()[:8], 16)
-
-
-def keyed(requests) -> list[str]:
-    """The journal key of each lm-eval request, in order (lm-eval repeats a request k times: repeat 0..k-1)."""
-    repeat, keys = Counter(), []
-    for req in requests:
-        base = (req.task_name, req.doc_id, req.idx)
-        keys.append(request_key(*base, repeat[base]))
-        repeat[base] += 1
-    return keys
-
-
-def stop_strings(p: Prompt) -> list[str]:
-    """The request's stop strings (lm-eval's `until`), empty ones dropped."""
-    return [s for s in p.gen.get("until", []) or [] if s]
-
-
-def new_tokens_cap(spec, n: int) -> int:
-    """The model conf's cap on new tokens (the embedded CPU model), recorded with the run's config."""
-    return min(n, spec.max_new_tokens) if spec.max_new_tokens else n
-
-
-def request_prompt(req, key: str, tokenizer, limit: int, cap) -> Prompt:
-    """The prompt of one request: evalkit docs are rendered from their Sample (chat template, prefill) and keep
-    their own `max_new_tokens` within `limit`; a plain lm-eval task's context is used as lm-eval rendered it."""
-    context, gen = req.args[0], dict(req.args[1])
-    followup = gen.pop("evalkit_followup", None)
-    limit = cap(int(gen.get("max_gen_toks", limit)))
-    doc = req.doc if isinstance(req.doc, dict) and set(req.doc) >= DOC_FIELDS else None
-    if doc is None:  # a plain lm-eval task: lm-eval rendered the context
-        return Prompt(key, context, limit, gen, followup=followup)
-    sample = Sample.from_doc(doc)
-    return Prompt(
-        key, sample_prompt(tokenizer, sample), min(sample.max_new_tokens, limit), gen, sample, followup
-    )
-
-
-def followup_prompt(p: Prompt, first: str, tokenizer, cap) -> Prompt:
-    """The second call of a two-call protocol (LongBench CoT), made from the first call's output as the model
-    produced it (pred.py passes the completion): without the `<think>\n` that finish_text put back."""
-    module, name = p.followup.split(":")
-    produced = first.removeprefix("<think>\n") if p.text.endswith("<think>\n") else first
-    s = getattr(importlib.import_module(module), name)(p.sample, produced)
-    return Prompt(p.key, sample_prompt(tokenizer, s), cap(s.max_new_tokens), p.gen, s)
-
-
-def fit_prompt(tokenizer, p: Prompt, context: int) -> tuple[list[int], bool]:
-    """(token ids, truncated) within the model context; may lower `p.max_new`.
-
-    Prompt + generation must fit the context. A short prompt with a long generation budget (AIME's 32k
-    tokens on an 8k model) has its generation capped ("capped by the model context"); a long prompt is cut
-    in the middle, keeping the instructions and the question (as LongBench does), and counted."""
-    ids = tokenizer(p.text, add_special_tokens=p.sample is None)["input_ids"]
-    if len(ids) + p.max_new <= context:
-        return ids, False
-    if len(ids) <= context // 2:
-        p.max_new = context - len(ids)
-        return ids, False
-    keep = max(context - p.max_new, context // 2)
-    p.max_new = min(p.max_new, context - keep)
-    return ids[: keep // 2] + ids[len(ids) - (keep - keep // 2) :], True
-
-
-def finish_text(p: Prompt, text: str, until: list[str]) -> str:
-    """A decoded generation as the scorer sees it: cut at the task's stop strings; R1-style templates open the
-    thinking block in the prompt, so it is put back in front."""
-    for stop in until:
-        text = text.split(stop)[0]
-    return "<think>\n" + text if p.text.endswith("<think>\n") else text
-
-
-def journal_record(p: Prompt, text: str, stats: dict) -> dict:
-    """One journal line (evalkit.results.RECORD_FIELDS): what scoring needs, keyed by request."""
-    task, doc_id, idx, rep = p.key.rsplit("/", 3)
-    return {
-        "key": p.key,
-        "task": task,
-        "doc_id": int(doc_id),
-        "repeat": int(rep),
-        "id": p.sample.id if p.sample else None,
-        "prompt_hash": prompt_hash(p.text),
-        "text": text,
-        "stats": stats,
-    }
-
-
-def journaled(journal, prompt: Prompt) -> dict | None:
-    """The journal's record of this request, if any; one made from another prompt is refused, never reused."""
-    done = journal.get(prompt.key) if journal else None
-    if done is not None and done["prompt_hash"] != prompt_hash(prompt.text):
-        from evalkit.config import ConfigError
-
-        raise ConfigError(
-            f"{journal.path}: request {prompt.key} was generated from a different prompt; the task data "
-            "changed since this run started. Delete the run folder to start over."
-        )
-    return done
+from evalkit.request import (
+    Prompt,
+    finish_text,
+    fit_prompt,
+    followup_prompt,
+    generation_config,
+    new_tokens_cap,
+    request_prompt,
+    request_seed,
+    stop_strings,
+)
 
 
 class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.CliLM (lm_eval_plugin.py)
@@ -204,10 +60,13 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         compile: bool = False,  # compile the decode step (static shapes; CUDA graphs on GPU)
         **method_settings,
     ):
-        from evalkit.config import make_method, model_spec
-        from evalkit.models import ModelSpec, context_length, load_model
+        from evalkit.config import model_spec
+        from evalkit.kv.config import make_method
+        from evalkit.loading import load_model
+        from evalkit.sources import context_length
 
-        spec = model if isinstance(model, ModelSpec) else model_spec(model)
+        # a model conf name or node (lm-eval's --model_args), or a ModelSpec already made
+        spec = model_spec(model) if isinstance(model, str | dict | DictConfig) else model
         if hf_model is None:
             hf_model, tokenizer = load_model(spec)
             if device and spec.device_map is None and (device == "cpu" or torch.cuda.is_available()):
@@ -286,7 +145,7 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         if not todo:
             return []
         ids, truncated = self._encode(p)
-        windows = [getattr(m, "window", 0) for m, _, _ in todo]
+        windows = [m.window for m, _, _ in todo]
         record = PrefillRecord(window=max(32, *windows)) if len(todo) > 1 and p.followup is None else None
         return [
             Request(
@@ -362,7 +221,7 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         return stop_strings(p)
 
     def _label(self) -> str:
-        budgets = [getattr(m, "budget", None) for m in [self.kv_method, *(m for m, _ in self.also)]]
+        budgets = [m.budget for m in [self.kv_method, *(m for m, _ in self.also)]]
         return f"{self.kv_method.name} {','.join(str(b) for b in budgets if b is not None)}".strip()
 
     def _prompt(self, req, key: str) -> Prompt:

@@ -25,39 +25,26 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from evalkit import metrics as metrics_record
 from evalkit.config import (
     CONF_DIR,
     ConfigError,
     check_choice,
     group_config,
-    make_method,
-    method_class,
     model_spec,
 )
-from evalkit.models import ModelLoadError
-from evalkit.results import (
-    Journal,
-    RunInUse,
-    RunLock,
-    atomic_write,
-    config_yaml,
-    generation_yaml,
-    run_dir,
-    saved_config,
-    write_json,
-)
-from evalkit.scoring import JournalError
-from evalkit.served import ServedSpec, provenance, served_lm
-from evalkit.summary import print_table, scoring_identity, summarize
+from evalkit.errors import EvalkitError, exit_with
+from evalkit.identity import check_folder, classify
+from evalkit.journal import Journal, request_keys
+from evalkit.kv.config import canonical, make_method, method_class
+from evalkit.results import RunLock, atomic_write, config_yaml, run_dir
+from evalkit.summary import print_table, summarize
+from evalkit.task import DataError
 
 TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
 _MODELS: dict[str, tuple] = {}  # one load per process across the jobs of a sweep
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # run-folder components: no separators, no "..", no "-x"
 log = logging.getLogger("evalkit")
-
-
-class DataError(RuntimeError):
-    """The task's data could not be loaded (missing file, bad source); the message says which and how to fix."""
 
 
 @dataclass(eq=False)
@@ -67,7 +54,8 @@ class Plan:
     spec: object
     task_module: object
     out: Path
-    state: str = "new"  # new (no metrics yet), rescore (metrics from another scorer), done (skipped)
+    # new (no metrics yet), rescore (metrics from another scorer), rebuild (samples.jsonl lost), done (skipped)
+    state: str = "new"
     journal: Journal | None = field(default=None, repr=False)
 
 
@@ -84,16 +72,16 @@ def plan(cfg: DictConfig) -> Plan:
                 f"{key} must be a plain name (letters, digits, '_', '.', '-', '+'), got {value!r}"
             )
     method_name = choices.get("method") or cfg.method._target_.rsplit(".", 1)[-1].lower()
-    if (
-        not getattr(method_class(cfg.method._target_), "budget_applies", True)
-        and cfg.method.get("budget") is not None
-    ):
+    if not method_class(cfg.method._target_).budget_applies and cfg.method.get("budget") is not None:
         # a sweep lists `full` beside compressed methods: its budgets all name the one uncompressed run
         log.info("%s keeps every entry: budget=%s does not apply", method_name, cfg.method.budget)
         cfg = OmegaConf.merge(cfg, {"method": {"budget": None}})
     method = make_method(cfg.method)
+    defaults = group_config("method", method_name)
+    if (same := canonical(cfg.method, method, defaults)) is not cfg.method:  # e.g. recent=32 at budget 256
+        cfg = OmegaConf.merge(cfg, {"method": same})
     check_run_settings(cfg)
-    out = run_dir(cfg, method_name, group_config("method", method_name))
+    out = run_dir(cfg, method_name, defaults)
     try:
         task_module = importlib.import_module(cfg.task.module)
     except ImportError as e:
@@ -106,8 +94,7 @@ def plan(cfg: DictConfig) -> Plan:
             raise ConfigError(f"task module {cfg.task.module} must define {attr} (an int, {what})")
     check_load_keys(cfg, task_module)
     spec = model_spec(cfg.model)
-    if isinstance(spec, ServedSpec):  # evalkit.served: method full, a valid address, a tokenizer
-        spec.check(method_name)
+    spec.check(method_name)  # a served model: method full, a valid address, a tokenizer
     return Plan(cfg, method, spec, task_module, out)
 
 
@@ -182,32 +169,6 @@ def plans_for(cfg: DictConfig) -> list[Plan]:
     return list(out.values())
 
 
-def check_folder(p: Plan) -> None:
-    """A folder holding a run of another configuration is refused, never mixed. Settings that only grade or
-    score (`task.setup`, the headline) may change: the run is then re-scored from its journal."""
-    saved = p.out / "config.yaml"
-    if saved.exists() and generation_yaml(_saved(saved)) != generation_yaml(p.cfg):
-        raise ConfigError(
-            f"{p.out} holds a run with a different config (see its config.yaml). "
-            "Use another results_dir, or delete that folder to redo it."
-        )
-
-
-def _saved(path: Path) -> DictConfig:
-    try:
-        cfg = saved_config(path.read_text(encoding="utf-8"))
-    except Exception as e:  # noqa: BLE001 (YAML, decoding and OmegaConf errors alike: the file is not ours)
-        raise ConfigError(
-            f"{path} is not a config evalkit wrote ({type(e).__name__}); restore it, or delete the folder to redo "
-            "the run"
-        ) from None
-    if not isinstance(cfg, DictConfig):
-        raise ConfigError(
-            f"{path} is not a config evalkit wrote; restore it, or delete the folder to redo the run"
-        )
-    return cfg
-
-
 def check_writable(folder: Path) -> None:
     """Fail now, not after the model and data loaded, when results cannot be written; leaves nothing behind."""
     made, path = [], Path(folder).absolute()
@@ -249,28 +210,6 @@ def evaluated(p: Plan, loaded) -> list:
     return loaded.samples[: p.cfg.limit] if p.cfg.limit else loaded.samples
 
 
-def classify(p: Plan, loaded) -> str:
-    """done (skip), rescore (metrics from another scorer or grading settings) or new (no metrics yet). Changed
-    data under a finished run is an error, never a skip."""
-    path = p.out / "metrics.json"
-    if not path.exists():
-        return "new"
-    try:
-        old = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        old = None
-    if not isinstance(old, dict):
-        return "rescore"  # a damaged metrics.json is rebuilt from the journal
-    recorded = (old.get("data") or {}).get("hash")
-    if recorded is not None and recorded != loaded.data_hash:
-        raise DataError(
-            f"{p.out} was scored on data {recorded[:12]}..., but {loaded.source} now hashes to "
-            f"{loaded.data_hash[:12]}...: its generations answer other prompts. Restore the data, or delete the "
-            "folder to run again."
-        )
-    return "done" if (old.get("identity") or {}).get("scoring") == scoring_identity(p) else "rescore"
-
-
 def open_journal(p: Plan) -> Journal:
     path = p.out / "generations.jsonl"
     if path.exists() and not path.is_file():
@@ -287,8 +226,6 @@ def open_journal(p: Plan) -> Journal:
 
 def missing(p: Plan, loaded) -> int:
     """Requests of this run not in its journal yet (0: scoring needs no model)."""
-    from evalkit.scoring import request_keys
-
     keys = request_keys(p.cfg.task.lm_eval_task, len(evaluated(p, loaded)), int(p.cfg.task.repeats))
     return sum(k not in p.journal.records for k in keys)
 
@@ -305,35 +242,15 @@ def get_model(spec):
 
 
 def generate(plans: list[Plan], load_kwargs: dict, context: int) -> None:
-    """Fill the journals: lm-eval builds the requests, the evalkit model generates what is not journaled yet.
-    Every budget after the first replays the first's prefills."""
-    from evalkit.lm import EvalkitLM
-
+    """Fill the journals: lm-eval builds the requests, the model's LM generates what is not journaled yet. Every
+    budget after the first replays the first's prefills. The LM is made (the weights loaded, or the server
+    checked) before any config.yaml is written."""
     p = plans[0]
-    if isinstance(p.spec, ServedSpec):  # no model here: the server is checked before anything is written
-        from evalkit.models import tokenizer_path
-        from evalkit.task import get_tokenizer
-
-        tokenizer = get_tokenizer(tokenizer_path(p.spec))
-        lm = served_lm(p.spec, tokenizer, context, p.journal, p.out, seed=p.cfg.seed)
-        atomic_write(p.out / "config.yaml", config_yaml(p.cfg))
-        return lm_eval_generate(p, lm, load_kwargs)
-    model, tokenizer = get_model(p.spec)
+    lm = p.spec.make_lm(
+        plans, context, lambda spec: get_model(spec)
+    )  # get_model looked up now: tests patch it
     for q in plans:
         atomic_write(q.out / "config.yaml", config_yaml(q.cfg))
-    also = [(q.method, q.journal) for q in plans[1:]]
-    lm = EvalkitLM(
-        model=p.spec,
-        hf_model=model,
-        tokenizer=tokenizer,
-        batch_size=p.cfg.batch_size,
-        max_length=context,
-        seed=p.cfg.seed,
-        method=p.method,
-        journal=p.journal,
-        also=also,
-        compile=p.cfg.compile,
-    )
     lm_eval_generate(p, lm, load_kwargs)
 
 
@@ -374,7 +291,7 @@ def configure_task(p: Plan) -> dict | None:
 def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
     """Score every sample from the journal with the task's scorer; write samples.jsonl and metrics.json."""
     from evalkit.models import model_config, resolve_source
-    from evalkit.scoring import request_keys, score_journal
+    from evalkit.scoring import score_journal
 
     samples, task, k = evaluated(p, loaded), p.cfg.task.lm_eval_task, int(p.cfg.task.repeats)
     rows = score_journal(p.task_module, samples, p.journal, task, k, tokenizer)
@@ -383,13 +300,11 @@ def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
     counts = {"from_journal": len(keys) - now, "generated_now": now}  # resumed, or a re-score
     check_headline(p, rows)
     metrics = summarize(p, loaded, rows, model_config(p.spec, resolve_source(p.spec)), context, counts)
-    if setup is not None:
-        metrics["task_setup"] = setup
-    if isinstance(p.spec, ServedSpec):
-        metrics["served"] = provenance(p.out)  # the server's URL, model id and what it said about itself
+    metrics.task_setup = setup
+    metrics.extra.update(p.spec.extra_metrics(p.out))
     atomic_write(p.out / "config.yaml", config_yaml(p.cfg))  # the grading settings now in force
     atomic_write(p.out / "samples.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    write_json(p.out / "metrics.json", metrics)
+    metrics_record.write(p.out / "metrics.json", metrics)
 
 
 def check_headline(p: Plan, rows: list[dict]) -> None:
@@ -410,7 +325,7 @@ def run(cfg: DictConfig) -> list[dict]:
 
     plans = plans_for(cfg)
     for p in plans:
-        check_folder(p)
+        check_folder(p.out, p.cfg)
         check_writable(p.out)
     spec = plans[0].spec
     context = context_length(spec, model_config(spec, resolve_source(spec)))
@@ -429,6 +344,8 @@ def run(cfg: DictConfig) -> list[dict]:
         if todo:
             generate(todo, load_kwargs, context)
         for p in plans:
+            if p.state == "rebuild":
+                print(f"evalkit: {p.out}: samples.jsonl is missing; rebuilding it from its journal")
             if p.state == "rescore":
                 print(f"evalkit: {p.out}: scorer or grading settings changed; re-scoring from its journal")
             if p.state != "done":
@@ -444,7 +361,7 @@ def run(cfg: DictConfig) -> list[dict]:
         if p.state == "done":
             print(f"evalkit: {p.out} is complete; skipping (delete it to rerun)")
         all_metrics.append(json.loads((p.out / "metrics.json").read_text()))
-        print_table(all_metrics[-1])
+        print_table(metrics_record.Metrics.from_json(all_metrics[-1]))
     return all_metrics
 
 
@@ -454,9 +371,8 @@ def main(cfg: DictConfig) -> None:
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     try:
         run(cfg)
-    except (ConfigError, ModelLoadError, DataError, RunInUse, JournalError) as e:
-        print(f"evalkit: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except EvalkitError as e:
+        exit_with("evalkit", e)
 
 
 if __name__ == "__main__":

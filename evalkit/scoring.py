@@ -9,22 +9,9 @@ so paired statistics can match repeat r of one run with repeat r of another.
 
 from __future__ import annotations
 
-from evalkit.results import task_id
+from evalkit.journal import JournalError, prompt_hash, request_key
+from evalkit.request import sample_prompt
 from evalkit.sample import Sample
-
-
-class JournalError(RuntimeError):
-    """The journal does not hold what the run's samples need (the data or the prompts changed under it)."""
-
-
-def request_key(task: str, doc_id: int, idx: int, repeat: int) -> str:
-    """The journal key of one lm-eval request (`idx` is lm-eval's request index within a doc: 0 for generation).
-    The task part is evalkit's name for it (`task_id`), whatever namespace lm-eval registers it under."""
-    return f"{task_id(task)}/{doc_id}/{idx}/{repeat}"
-
-
-def request_keys(task: str, n_docs: int, repeats: int) -> list[str]:
-    return [request_key(task, d, 0, r) for d in range(n_docs) for r in range(repeats)]
 
 
 def score_journal(
@@ -34,8 +21,6 @@ def score_journal(
 
     Every prediction must be journaled for this very prompt (same sample id and prompt hash), else this raises
     JournalError instead of scoring something else."""
-    from evalkit.lm import prompt_hash, sample_prompt
-
     preds: list[list[dict]] = []
     for doc_id, sample in enumerate(samples):
         recs = [journal.get(request_key(task, doc_id, 0, r)) for r in range(repeats)]

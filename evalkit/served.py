@@ -5,11 +5,11 @@ evalkit's tasks exactly as an in-process run is, through lm-eval's own API model
 `chat`) and the served model's tokenizer. Nothing is loaded locally: prompts are rendered and counted with the
 tokenizer, requests go through lm-eval's `local-completions` / `local-chat-completions` machinery (its
 `num_concurrent` requests in flight, its retries), and every finished generation is journaled in the same record
-format as `EvalkitLM`'s (evalkit.lm shares the helpers), so resume, scoring, `metrics.json` and the leaderboard
+format as `EvalkitLM`'s (evalkit.request and evalkit.journal hold what both share), so resume, scoring, `metrics.json` and the leaderboard
 are the in-process ones. The server keeps its own full cache: the method is `full`, budget none, and no KV figure
 is measured (null in metrics.json, never 0).
 
-- completions: the request's prompt is `evalkit.lm.sample_prompt(...)`, byte for byte what the in-process model
+- completions: the request's prompt is `evalkit.request.sample_prompt(...)`, byte for byte what the in-process model
   is given (chat template and assistant prefill rendered here). A server may still add special tokens when it
   tokenizes (a second BOS with Llama-3 templates on vLLM: `extra_body: {add_special_tokens: false}`); the prompt
   tokens it reports are journaled beside evalkit's count (`server_prompt_tokens`) so any such difference shows.
@@ -39,21 +39,19 @@ from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompleti
 from omegaconf import OmegaConf
 
 from evalkit.config import ConfigError
-from evalkit.lm import (
+from evalkit.journal import journal_record, journaled, keyed
+from evalkit.models import ModelLoadError, ModelSpec, tokenizer_path
+from evalkit.request import (
     Prompt,
     finish_text,
     fit_prompt,
     followup_prompt,
     generation_config,
-    journal_record,
-    journaled,
-    keyed,
     new_tokens_cap,
     request_prompt,
     request_seed,
     stop_strings,
 )
-from evalkit.models import ModelLoadError, ModelSpec
 from evalkit.results import write_json
 from evalkit.sample import TEMPLATE_KEY
 
@@ -116,7 +114,6 @@ class ServedSpec(ModelSpec):
 
     def _resolve_files(self) -> None:
         from evalkit.config import CONF_DIR, model_spec
-        from evalkit.models import tokenizer_path
 
         if (CONF_DIR / "model" / f"{self.tokenizer}.yaml").exists():
             named = model_spec(self.tokenizer)
@@ -135,6 +132,24 @@ class ServedSpec(ModelSpec):
     @property
     def root(self) -> str:
         return self.base_url.rstrip("/")
+
+    # --- ModelBackend: generation by the server -------------------------------------------------------------
+    def make_lm(self, plans: list, context: int, load) -> _Served:
+        """The served LM for the one plan (method full), after the server was checked and pinned to its folder;
+        nothing is loaded here (`load` is not called): prompts are rendered with the tokenizer alone."""
+        from evalkit.task import get_tokenizer
+
+        (p,) = plans
+        return served_lm(
+            self, get_tokenizer(tokenizer_path(self)), context, p.journal, p.out, seed=p.cfg.seed
+        )
+
+    def source_label(self) -> str:
+        """The weights are the server's, only its tokenizer is here."""
+        return f"served:{self.base_url} (model {self.model_id or 'the one it serves'}; tokenizer {self.tokenizer})"
+
+    def extra_metrics(self, out: Path) -> dict:
+        return {"served": provenance(out)}  # the server's URL, model id and what it said about itself
 
 
 # --- the server: what it serves, before any request ---------------------------------------------------------

@@ -1,4 +1,4 @@
-"""From lm-eval's logged samples and the generation journal to `samples.jsonl` rows, `metrics.json`, a table."""
+"""From a scored run to its `metrics.json` record (evalkit.metrics) and the table printed after a run."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import statistics
 
 from omegaconf import OmegaConf
 
-from evalkit.results import ADDED_SETTINGS, generation_settings, git_sha, short_hash, versions
+from evalkit.identity import identity
+from evalkit.metrics import SCHEMA, Metrics
+from evalkit.results import git_sha, versions
 from evalkit.sample import aggregate
 
 
@@ -16,27 +18,6 @@ def resolved_revision(spec) -> dict:
     from evalkit.models import fingerprint
 
     return fingerprint(spec)
-
-
-def model_source(spec) -> str:
-    """Where the weights came from, precisely enough to reload the same ones."""
-    from importlib import metadata
-
-    if getattr(
-        spec, "base_url", None
-    ):  # evalkit.served: the weights are the server's, only its tokenizer is here
-        return f"served:{spec.base_url} (model {spec.model_id or 'the one it serves'}; tokenizer {spec.tokenizer})"
-    if spec.gguf:
-        version = metadata.version(spec.gguf["package"].replace("_", "-"))
-        return (
-            f"gguf:{spec.gguf['package']}=={version}/{spec.gguf['file']} "
-            f"(dequantised to {spec.dtype}; hub original {spec.id})"
-        )
-    if spec.random is not None:
-        return f"random:seed={spec.seed} (tokenizer {spec.tokenizer})"
-    if spec.path:
-        return f"local:{spec.path}"
-    return f"hub:{spec.id}@{spec.revision or 'main (unpinned: set model.revision for reproducible numbers)'}"
 
 
 def _mean(xs):
@@ -77,92 +58,57 @@ def generation_summary(gens: list[dict]) -> dict:
     }
 
 
-def scoring_identity(plan) -> str:
-    """What a finished run's metrics depend on beyond its generations: the scorer's version, the grading
-    settings (`task.setup`) and the headline metric. A change re-scores the run from its journal."""
-    cfg = OmegaConf.to_container(plan.cfg.task, resolve=True)
-    return short_hash(
-        {
-            "scorer_version": plan.task_module.SCORER_VERSION,
-            "setup": cfg.get("setup"),
-            "headline": cfg.get("headline"),
-        }
-    )
-
-
-def identity(plan, loaded) -> dict:
-    """Hashes that tell configurations apart: two runs share a leaderboard cell or are paired only when the
-    identities that matter are equal. `generation` covers everything but the method (model, task and its
-    version, data, generation settings, repeats, limit, seed, batch size)."""
-    settings = generation_settings(plan.cfg)
-    method = settings.pop("method")
-    for (
-        key,
-        default,
-    ) in ADDED_SETTINGS.items():  # a setting at the value older runs had: same identity as theirs
-        if "." not in key and settings.get(key) == default:
-            settings.pop(key)
-    settings.update(task_version=plan.task_module.VERSION, data_hash=loaded.data_hash)
-    return {
-        "generation": short_hash(settings),
-        "method": short_hash(method),
-        "scoring": scoring_identity(plan),
-    }
-
-
-def summarize(plan, loaded, rows: list[dict], model_config, context: int, journal_counts: dict) -> dict:
+def summarize(plan, loaded, rows: list[dict], model_config, context: int, journal_counts: dict) -> Metrics:
     cfg, method = plan.cfg, plan.method
     gens = [g for r in rows for g in r["generation"]]
-    return {
-        "schema": 2,
-        "task": cfg.task.name,
-        "task_version": plan.task_module.VERSION,
-        "scorer_version": plan.task_module.SCORER_VERSION,
-        "identity": identity(plan, loaded),
-        "headline": cfg.task.headline,
-        "model": {
+    return Metrics(
+        schema=SCHEMA,
+        task=cfg.task.name,
+        task_version=plan.task_module.VERSION,
+        scorer_version=plan.task_module.SCORER_VERSION,
+        identity=identity(plan, loaded),
+        headline=cfg.task.headline,
+        model={
             "name": cfg.model.name,
-            "source": model_source(plan.spec),
+            "source": plan.spec.source_label(),
             "revision": resolved_revision(plan.spec),
             "dtype": plan.spec.dtype,
             "context": context,
             "hf_config": model_config.to_dict(),
         },
-        "method": {**method.describe(), "conf": plan.out.parent.name, "tag": plan.out.name},
-        "budget": getattr(method, "budget", None),
-        "n": len(rows),
-        "n_skipped": len(loaded.skipped),
-        "skipped": [{"id": s.id, "reason": s.reason} for s in loaded.skipped],
-        "data": {"source": loaded.source, "hash": loaded.data_hash, "stats": loaded.stats},
-        "scores": aggregate([r["scores"] for r in rows]),
-        "kv": kv_summary(gens, model_config.get_text_config()),
-        "generation": {**generation_summary(gens), **journal_counts},
-        "batch_size": cfg.batch_size,
-        "provenance": {
+        method={**method.describe(), "conf": plan.out.parent.name, "tag": plan.out.name},
+        budget=method.budget,
+        n=len(rows),
+        n_skipped=len(loaded.skipped),
+        skipped=[{"id": s.id, "reason": s.reason} for s in loaded.skipped],
+        data={"source": loaded.source, "hash": loaded.data_hash, "stats": loaded.stats},
+        scores=aggregate([r["scores"] for r in rows]),
+        kv=kv_summary(gens, model_config.get_text_config()),
+        generation={**generation_summary(gens), **journal_counts},
+        batch_size=cfg.batch_size,
+        provenance={
             "git_sha": git_sha(),
             "versions": versions(),
             "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "config": OmegaConf.to_container(cfg, resolve=True),
         },
-    }
-
-
-def print_table(m: dict) -> None:
-    """The run's scores (headline first) and its KV and generation figures."""
-    head = m["headline"]
-    budget = m["budget"] if m["budget"] is not None else "-"
-    print(
-        f"\n{m['task']} | {m['model']['name']} | {m['method']['name']} budget={budget} | n={m['n']} ({m['data']['source']})"
     )
+
+
+def print_table(m: Metrics) -> None:
+    """The run's scores (headline first) and its KV and generation figures."""
+    head = m.headline
+    budget = m.budget if m.budget is not None else "-"
+    print(f"\n{m.task} | {m.model['name']} | {m.method['name']} budget={budget} | n={m.n} ({m.data_source})")
     # headline first, then one level of breakdown; task@length cells and the rest stay in metrics.json
     keys = sorted(
-        (k for k in m["scores"] if "@" not in k.partition("/")[2]), key=lambda k: (k != head, k.count("/"), k)
+        (k for k in m.scores if "@" not in k.partition("/")[2]), key=lambda k: (k != head, k.count("/"), k)
     )
     width = max(len(k) for k in keys) if keys else 10
     for k in keys:
-        v = m["scores"][k]
+        v = m.scores[k]
         print(f"  {k:<{width}}  {v['mean']:8.2f} ± {v['stderr']:6.2f}  (n={v['n']})")
-    kv, gen = m["kv"], m["generation"]
+    kv, gen = m.kv, m.generation
     ratio = f"{kv['compression_ratio']:.3f}" if kv["compression_ratio"] is not None else "-"
     cache = "not measured (a served model: the server keeps it)"
     if kv["peak_bytes"] is not None:

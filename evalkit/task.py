@@ -21,7 +21,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from evalkit.errors import EvalkitError
 from evalkit.sample import Sample, Skipped
+
+
+class DataError(EvalkitError, RuntimeError):
+    """The task's data could not be loaded (missing file, bad source); the message says which and how to fix."""
 
 
 @dataclass
@@ -126,7 +131,7 @@ def get_tokenizer(name_or_path: str):
     """Tokenizers are passed to `load` by name (lm-eval metadata must stay JSON); load each once."""
     from transformers import AutoTokenizer
 
-    from evalkit.models import tokenizer_source
+    from evalkit.sources import tokenizer_source
 
     source = tokenizer_source(name_or_path)  # a model conf name, folder or hub id
     return AutoTokenizer.from_pretrained(source)
@@ -156,7 +161,7 @@ def load_task(name: str, load: Callable[..., Loaded], **kwargs) -> Loaded:
 def lm_eval_hooks(name: str, load: Callable[..., Loaded], score: Callable[[list[str], Sample], dict]):
     """lm-eval's `custom_dataset` and `process_results` for a task module."""
 
-    import evalkit.lm  # noqa: F401  registers lm-eval's "evalkit" model before lm-eval looks it up
+    register_lm_eval_model()
 
     def custom_dataset(**metadata):
         from datasets import Dataset
@@ -177,6 +182,14 @@ def lm_eval_hooks(name: str, load: Callable[..., Loaded], score: Callable[[list[
         return score(list(predictions), Sample.from_doc(doc))
 
     return custom_dataset, process_results
+
+
+def register_lm_eval_model() -> None:
+    """Register lm-eval's "evalkit" model before lm-eval looks it up, lazily (by name: a task knows no model)."""
+    from lm_eval.api.registry import model_registry
+
+    if "evalkit" not in model_registry:
+        model_registry.register("evalkit", target="evalkit.lm:EvalkitLM")
 
 
 LM_EVAL_METADATA = {"version", "config_source"}  # keys lm-eval adds to a task's metadata

@@ -58,7 +58,7 @@ def killed_run(args: list[str], results: Path, after: int) -> subprocess.Complet
     moment, with no clock involved."""
     hook = (
         "import os, signal, sys\n"
-        "import evalkit.results as r\n"
+        "import evalkit.journal as r\n"
         "append, count = r.Journal.append, [0]\n"
         "def killing_append(self, rec):\n"
         "    append(self, rec)\n"

@@ -1,6 +1,7 @@
-"""Fabricated run folders for the leaderboard and report tests, in the runner's format (evalkit/summary.py):
-`metrics.json` with `identity`, `scorer_version`, `generation.from_journal`, and `samples.jsonl` rows with
-`repeat_scores` (one dict per repeat: the task's score of that prediction alone). No model runs.
+"""Fabricated run folders for the leaderboard and report tests, in the runner's format: `metrics.json` built
+through the runner's record (evalkit.metrics.Metrics) with the runner's identity recipe (evalkit.identity), and
+`samples.jsonl` rows with `repeat_scores` (one dict per repeat: the task's score of that prediction alone).
+No model runs.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from evalkit.results import short_hash
+from evalkit import identity as run_identity
+from evalkit.metrics import Metrics
 from evalkit.sample import aggregate
 
 SMOL_CONFIG = {  # the fields of SmolLM2-135M's config.json the memory model reads
@@ -74,45 +76,38 @@ def write_run(
         "limit": None,
         "seed": seed,
     }
-    generation = {
-        "model": cfg["model"],
-        "task": cfg["task"],
-        "task_version": task_version,
-        "data_hash": data_hash,
-        "seed": seed,
-    }
-    metrics = {
-        "schema": 1,
-        "task": task,
-        "task_version": task_version,
-        "scorer_version": scorer_version,
-        "headline": headline,
-        "model": {"name": model, "source": "fixture", "dtype": "float32", "hf_config": SMOL_CONFIG},
-        "method": {"name": method, "budget": budget, **settings, "conf": method, "tag": tag},  # as summary.py
+    method_record = {
+        "name": method,
         "budget": budget,
-        "n": len(rows),
-        "data": {"source": "sample", "hash": data_hash, "stats": {}},
-        "scores": aggregate([r["scores"] for r in rows]),
-        "kv": {
+        **settings,
+        "conf": method,
+        "tag": tag,
+    }  # as summary.py
+    metrics = Metrics(
+        schema=1,
+        task=task,
+        task_version=task_version,
+        scorer_version=scorer_version,  # None: a metrics.json from before scorer_version existed
+        identity=run_identity.hashes(cfg, task_version, data_hash, scorer_version) if identity else None,
+        headline=headline,
+        model={"name": model, "source": "fixture", "dtype": "float32", "hf_config": SMOL_CONFIG},
+        method=method_record,
+        budget=budget,
+        n=len(rows),
+        data={"source": "sample", "hash": data_hash, "stats": {}},
+        scores=aggregate([r["scores"] for r in rows]),
+        kv={
             "compression_ratio": 1.0 if method == "full" else compression,
             "peak_bytes": 0,
             "peak_entries": 0,
             "peak_prompt_tokens": peak[0],
             "peak_seen_tokens": peak[1],
             "cache_layout": "per_head",
-        },  # fmt: skip
-        "generation": {"requests": len(rows) * repeats, "mean_output_tokens": 3.0, "from_journal": 0},
-        "provenance": {"git_sha": "abc", "config": cfg},
-    }
-    if scorer_version is None:
-        del metrics["scorer_version"]
-    if identity:
-        metrics["identity"] = {
-            "generation": short_hash(generation),
-            "method": short_hash(metrics["method"]),
-            "scoring": short_hash({"scorer_version": scorer_version}),
-        }
-    (folder / "metrics.json").write_text(json.dumps(metrics))
+        },
+        generation={"requests": len(rows) * repeats, "mean_output_tokens": 3.0, "from_journal": 0},
+        provenance={"git_sha": "abc", "config": cfg},
+    )
+    (folder / "metrics.json").write_text(json.dumps(metrics.to_json()))
     (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "config.yaml").write_text("fixture: true\n")
     return folder

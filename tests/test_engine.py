@@ -11,7 +11,7 @@ import torch
 from evalkit.engine import Engine, Request
 from evalkit.kv import Full, SnapKV, SnapStream, StreamingLLM, generate
 from evalkit.kv.prefill import PrefillRecord
-from evalkit.lm import generation_config
+from evalkit.request import generation_config
 from tests.conftest import tiny_model
 from tests.test_compile import Counting
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from evalkit.config import ConfigError, make_method
+from evalkit.config import ConfigError
+from evalkit.kv.config import make_method
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,8 @@ published scoring (all-keys softmax) seed 2 answers "2536." at 256 although more
 under the earlier candidates-only scoring (61% vs 58% of needle entries per layer and head); at 320 all three
 seeds retrieve it, and StreamingLLM still cannot (the needle is ~750 tokens before its window)."""
 
-from evalkit.config import make_method
 from evalkit.demo import run
+from evalkit.kv.config import make_method
 
 
 def test_needle_retrieved_by_full_and_snapstream_not_streamingllm(smollm2):

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from evalkit.config import ConfigError, check_overrides
+from evalkit.config import ConfigError
+from evalkit.overrides import check_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,8 @@ import stat
 import pytest
 from omegaconf import OmegaConf
 
-from evalkit.results import Journal, RunInUse, RunLock, atomic_write, budget_tag, save_figure
+from evalkit.journal import Journal
+from evalkit.results import RunInUse, RunLock, atomic_write, budget_tag, save_figure
 from evalkit.task import subsample
 
 
@@ -125,3 +126,27 @@ def test_subsample_is_seeded_and_keeps_input_order():
     assert all(list(p) == sorted(p) and len(p) == 10 for p in picks)  # in input order
     assert subsample(items, 10, 3) == subsample(items, 10, 3) and subsample(items, None, 0) == items
     assert subsample(items, 80, 0) == items
+
+
+def test_journal_drops_a_line_torn_inside_a_multibyte_character(tmp_path):
+    """A kill (or a full disk) can cut the last line inside a UTF-8 character: that torn tail is dropped like any
+    other and the run resumes; the same bytes in the middle of the file are set aside, verbatim."""
+    path = tmp_path / "generations.jsonl"
+    j = Journal(path)
+    j.append(rec("a", "café"))
+    j.close()
+    torn = json.dumps(rec("b", "é"), ensure_ascii=False).encode()
+    cut = torn[: torn.index("é".encode()) + 1]  # the first of é's two bytes
+    with open(path, "ab") as f:
+        f.write(cut)
+    j = Journal(path)
+    assert set(j.records) == {"a"} and j.records["a"]["text"] == "café" and j.rejected == []
+    j.append(rec("c"))
+    j.close()
+    assert set(Journal(path).records) == {"a", "c"}
+    with open(path, "ab") as f:  # not a torn tail: an undecodable line with complete lines after it
+        f.write(cut + b"\n" + json.dumps(rec("d")).encode() + b"\n")
+    j = Journal(path)
+    assert set(j.records) == {"a", "c", "d"} and j.rejected == [(3, "not valid UTF-8")]
+    j.close()
+    assert (tmp_path / "generations.jsonl.rejected").read_bytes() == cut + b"\n"

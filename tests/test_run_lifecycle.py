@@ -7,11 +7,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 import evalkit.run as runner
 import evalkit.task
 from evalkit.config import ConfigError, compose
-from evalkit.results import RunLock
+from evalkit.journal import JournalError
+from evalkit.results import RunInUse, RunLock
+from evalkit.task import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 RULER = [
@@ -84,6 +87,23 @@ def test_a_changed_headline_rescores_and_a_changed_generation_setting_is_refused
         run(*RULER, "method.budget=64", "seed=5", results=tmp_path)
 
 
+def test_a_finished_run_without_its_samples_is_rebuilt_from_the_journal(tmp_path, monkeypatch, capsys):
+    """samples.jsonl deleted (or lost) under a finished run: rebuilt from the journal without a model, equal to
+    what it was, instead of the run being skipped as complete forever."""
+    args = [*RULER, "method.budget=64"]
+    run(*args, results=tmp_path)
+    out = folder(tmp_path)
+    samples, journal = (out / "samples.jsonl").read_bytes(), (out / "generations.jsonl").read_bytes()
+    (out / "samples.jsonl").unlink()
+    monkeypatch.setattr(runner, "get_model", lambda spec: pytest.fail("rebuilding loaded the model"))
+    capsys.readouterr()
+    again = run(*args, results=tmp_path)[0]
+    assert "samples.jsonl is missing; rebuilding it from its journal" in capsys.readouterr().out
+    assert (out / "samples.jsonl").read_bytes() == samples
+    assert (out / "generations.jsonl").read_bytes() == journal
+    assert again["generation"]["generated_now"] == 0 and again["generation"]["from_journal"] == 2
+
+
 def test_a_finished_run_on_changed_data_is_refused_not_skipped(tmp_path):
     data = tmp_path / "aime.jsonl"
     shutil.copy(ROOT / "tasks/aime24/data/sample.jsonl", data)
@@ -92,7 +112,7 @@ def test_a_finished_run_on_changed_data_is_refused_not_skipped(tmp_path):
     row = json.loads(rows[0])
     row["problem"] += " (edited)"
     data.write_text("\n".join([json.dumps(row), *rows[1:]]) + "\n")
-    with pytest.raises(runner.DataError, match="now hashes to"):
+    with pytest.raises(DataError, match="now hashes to"):
         run(*AIME, f"task.load.source={data}", results=tmp_path / "r")
 
 
@@ -104,7 +124,7 @@ def test_a_journal_for_other_prompts_is_refused_when_scoring(tmp_path, monkeypat
     (out / "generations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     (out / "metrics.json").unlink()
     monkeypatch.setattr(runner, "get_model", lambda spec: pytest.fail("loaded"))
-    with pytest.raises(runner.JournalError, match="generated for another prompt"):
+    with pytest.raises(JournalError, match="generated for another prompt"):
         run(*RULER, "method.budget=64", results=tmp_path)
 
 
@@ -171,7 +191,7 @@ def test_results_dir_that_is_a_file_fails_early_and_leaves_nothing(tmp_path, no_
 def test_zero_samples_fail_before_the_model_with_the_reasons(content, message, tmp_path, no_model):
     data = tmp_path / "aime.jsonl"
     data.write_text(content)
-    with pytest.raises(runner.DataError, match=message):
+    with pytest.raises(DataError, match=message):
         run(*AIME, f"task.load.source={data}", results=tmp_path / "r")
     assert not (tmp_path / "r" / "runs").exists()
 
@@ -189,7 +209,7 @@ def test_a_second_process_on_the_same_folder_is_refused(tmp_path):
     lock = RunLock(out)
     lock.acquire()
     try:
-        with pytest.raises(runner.RunInUse, match="is being run by pid"):
+        with pytest.raises(RunInUse, match="is being run by pid"):
             run(*RULER, "method.budget=64", results=tmp_path)
     finally:
         lock.release()
@@ -203,8 +223,8 @@ def test_evalkit_scores_equal_lm_evals_process_results(tmp_path, monkeypatch):
     from lm_eval.api.model import LM
     from lm_eval.tasks import TaskManager, get_task_dict
 
+    from evalkit.journal import Journal
     from evalkit.lm import EvalkitLM
-    from evalkit.results import Journal
 
     run(*AIME, "task.repeats=2", results=tmp_path)  # sampled at T=0.6: the two repeats differ
     out = folder(tmp_path, "aime24", "streamingllm", "256")
@@ -249,7 +269,7 @@ def test_evalkit_scores_equal_lm_evals_process_results(tmp_path, monkeypatch):
 def test_a_malformed_data_file_is_named_in_the_error(tmp_path, no_model):
     essay = tmp_path / "PaulGrahamEssays.json"
     essay.write_text('{"text": "an essay", oops}')
-    with pytest.raises(runner.DataError, match=f"{essay}: not valid JSON \\(line 1, column 22"):
+    with pytest.raises(DataError, match=f"{essay}: not valid JSON \\(line 1, column 22"):
         run(
             "model=tiny_llama",
             "task=ruler_paper",
@@ -304,3 +324,40 @@ def test_a_damaged_run_folder_is_refused_by_name(tmp_path, damage, message, no_m
         (out / "generations.jsonl").mkdir()
     with pytest.raises(ConfigError, match=message):
         run(*RULER, "method.budget=64", results=tmp_path)
+
+
+def test_a_method_setting_equal_to_its_default_is_the_default_run(tmp_path):
+    """`method.recent=32` at budget 256 is what the default (budget // 8) resolves to: the same folder, config and
+    identity as the default run, so it is skipped or resumed, never run again into a second folder; at budget 512
+    (default recent 64) it is a setting of its own."""
+
+    def planned(*overrides):
+        return runner.plan(compose(overrides=[*RULER, *overrides, f"results_dir={tmp_path}"]))
+
+    default = planned("method.budget=256")
+    same = planned("method.budget=256", "method.recent=32")
+    assert same.out == default.out and same.out.name == "256"
+    assert OmegaConf.to_yaml(same.cfg) == OmegaConf.to_yaml(default.cfg)
+    assert planned("method.budget=512", "method.recent=32").out.name == "512-recent32"
+    assert planned("method.budget=256", "method.recent=64").out.name == "256-recent64"
+
+
+def test_settings_are_canonicalised_one_at_a_time_with_the_others_as_given(tmp_path):
+    """recent=32 is the default recent at budget 64 only with the default window (max(64 // 8, 32)); with
+    window=16 the default would be 16, so recent=32 is a setting of its own there."""
+    plan = runner.plan(
+        compose(
+            overrides=[
+                *RULER,
+                "method.budget=64",
+                "method.recent=32",
+                "method.window=16",
+                f"results_dir={tmp_path}",
+            ]
+        )
+    )
+    assert plan.out.name == "64-recent32-window16" and plan.method.recent == 32
+    plan = runner.plan(
+        compose(overrides=[*RULER, "method.budget=64", "method.recent=32", f"results_dir={tmp_path}"])
+    )
+    assert plan.out.name == "64"

@@ -22,7 +22,7 @@ import pytest
 import evalkit.run as runner
 import evalkit.task
 from evalkit.config import ConfigError, compose
-from evalkit.results import Journal
+from evalkit.journal import Journal
 from evalkit.served import ServedError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -294,7 +294,7 @@ def test_the_chat_api_sends_the_samples_messages(fake, tmp_path):
 
 
 def test_the_chat_api_continues_an_answer_prefix():
-    from evalkit.lm import Prompt
+    from evalkit.request import Prompt
     from evalkit.sample import Sample
     from evalkit.served import ServedChat, ServedSpec
 
@@ -321,7 +321,7 @@ def test_the_chat_api_continues_an_answer_prefix():
 @pytest.mark.parametrize("own", [dict(rendered=True), dict(meta={"prompt_template": "meta-llama3"})])
 def test_the_chat_api_refuses_a_prompt_that_carries_its_own_template(own):
     """livecodebench_r1's raw DeepSeek string, RULER's meta-llama3 text: a server's chat template would wrap them."""
-    from evalkit.lm import Prompt
+    from evalkit.request import Prompt
     from evalkit.sample import Sample
     from evalkit.served import ServedChat, ServedSpec, _Final
 

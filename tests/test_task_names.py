@@ -12,7 +12,7 @@ from lm_eval.tasks._index import TaskIndex
 import evalkit.run as runner
 import evalkit.task
 from evalkit.config import choices, compose, group_config
-from evalkit.results import LM_EVAL_PREFIX, task_id
+from evalkit.journal import LM_EVAL_PREFIX, task_id
 
 ROOT = Path(__file__).resolve().parents[1]
 # sampled (T=0.6): equal scores before and after the rename also mean equal per-request seeds

@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--threads must be a positive integer, got {args.threads}")
     from evalkit.bench.base import Context, write_csv  # torch: only once the arguments are known good
     from evalkit.bench.summary import record_provenance, write_summary
+    from evalkit.errors import EvalkitError, exit_with
 
     ctx = Context(quick=args.quick, out=output_folder(ap, args))
     if args.threads:
@@ -112,10 +113,13 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     command = " ".join(["python -m evalkit.bench", *(sys.argv[1:] if argv is None else argv)])
     registered = [measurement(name) for name in names()]
-    for m in registered:
-        if m.name in asked:
-            write_csv(ctx.out / m.csv, m.run(ctx))
-            record_provenance(ctx.out, m.name, command, args.quick)
+    try:
+        for m in registered:
+            if m.name in asked:
+                write_csv(ctx.out / m.csv, m.run(ctx))
+                record_provenance(ctx.out, m.name, command, args.quick)
+    except EvalkitError as e:  # a model that cannot load, a bad setting: the message says what to do
+        exit_with("python -m evalkit.bench", e)
     print(write_summary(ctx.out, registered, set(asked), command))
 
 

@@ -34,6 +34,10 @@ class KVMethod:
     ring: ClassVar[bool]  # True: fixed-size cache, decode overwrites the oldest tail entry in place
     # False for `full`: sweeps may list it with budgets, which all name its one run
     budget_applies: ClassVar[bool] = True
+    # What callers read of any method; a method that has one declares it as a setting (a dataclass field).
+    budget: ClassVar[int | None] = None  # KV entries kept per layer and KV head; None: uncompressed
+    window: ClassVar[int] = 0  # observation window (last prompt queries) a shared prefill must keep
+    spare_slots: ClassVar[str] = "ring"  # what a ring's slots beyond the prompt hold ("pad": the spec's)
 
     def blocks(self) -> tuple[int, int, int]:
         """(sink, tail, top-K) used when a prompt does not fit in the budget."""

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from evalkit.config import CONF_DIR, choices, compose
-from evalkit.memory.model import MemoryReportError
+from evalkit.errors import EvalkitError
 from evalkit.memory.report import check, write_report
 
 PROG = "python -m evalkit.memory"
@@ -64,7 +64,7 @@ def check_command_line(argv: list[str]) -> None:
     except (HydraException, OmegaConfBaseException) as e:
         # e.g. "Could not override 'nokey'..." or "Could not find 'hardware/nope'" + the available options
         fail(str(e).split("Config search path:")[0].strip())
-    except MemoryReportError as e:
+    except EvalkitError as e:
         fail(str(e))
 
 
@@ -72,7 +72,7 @@ def check_command_line(argv: list[str]) -> None:
 def report(cfg: DictConfig) -> None:
     try:
         paths = write_report(OmegaConf.to_container(cfg, resolve=True))
-    except MemoryReportError as e:
+    except EvalkitError as e:
         # Bad input is the user's to fix: the message names the field; a traceback would only bury it.
         fail(str(e))
     for path in paths.values():

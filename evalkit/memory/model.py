@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from evalkit.errors import EvalkitError
 
-class MemoryReportError(ValueError):
+
+class MemoryReportError(EvalkitError, ValueError):
     """Bad input to the memory report: a missing config field, a budget above the context, a parallel
     degree that does not divide the heads, an unknown dtype or method. The message names the field."""
 

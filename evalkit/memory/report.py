@@ -3,13 +3,13 @@ versus measured KV bytes for the runs evalkit executed (`<results_dir>/runs/**/m
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from evalkit import metrics as metrics_record
 from evalkit.memory.model import MemoryReportError, kv_geometry, load_hf_config, model_spec
 from evalkit.memory.sim import Deployment, GiB, Hardware, canonical_method, kv_entries
 from evalkit.memory.validate import validate
@@ -155,9 +155,9 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
     for path in paths:
         rel = path.relative_to(root).as_posix()
         try:
-            m = json.loads(path.read_text())
-            hf_config, dtype, kv = m["model"]["hf_config"], m["model"]["dtype"], m["kv"]
-            method, budget = canonical_method(m["method"]["name"]), m["method"].get("budget")
+            m = metrics_record.load(path, strict=False)
+            hf_config, dtype, kv = m.model["hf_config"], m.model["dtype"], m.kv
+            method, budget = canonical_method(m.method["name"]), m.method.get("budget")
             peak_bytes, peak_entries = int(kv["peak_bytes"]), int(kv["peak_entries"])
             geo = kv_geometry(hf_config, dtype, kv["cache_layout"])
             if kv.get("peak_seen_tokens") is not None:
@@ -176,8 +176,8 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
         rows.append(
             {
                 "run": rel,
-                "task": m.get("task"),
-                "model": m["model"].get("name"),
+                "task": m.task,
+                "model": m.model.get("name"),
                 "method": method,
                 "budget": budget,
                 "cache_layout": geo.layout,

@@ -1,13 +1,11 @@
 """`python -m evalkit.report [key=value ...]` (conf/report.yaml; `--help` lists the settings): the deployment
 report into `<results_dir>/report/`."""
 
-import sys
-
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from evalkit.memory.model import MemoryReportError
-from evalkit.report import ReportConfigError, write_report
+from evalkit.errors import EvalkitError, exit_with
+from evalkit.report import write_report
 from evalkit.report.config import from_dict
 
 
@@ -15,10 +13,9 @@ from evalkit.report.config import from_dict
 def main(cfg: DictConfig) -> None:
     try:
         paths = write_report(from_dict(OmegaConf.to_container(cfg, resolve=True)))
-    except (ReportConfigError, MemoryReportError) as e:
+    except EvalkitError as e:
         # a bad setting is the user's to fix: the message names it; a traceback would only bury it
-        print(f"evalkit.report: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_with("evalkit.report", e)
     for path in paths.values():
         print(path)
 

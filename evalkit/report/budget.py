@@ -40,7 +40,7 @@ def hardware_cfg(name: str) -> dict:
 
 def spec_of(run: Run, deploy: dict) -> ModelSpec:
     """The run's model from its recorded HF config, stored in the deployment's dtypes."""
-    hf_config = run.metrics["model"].get("hf_config")
+    hf_config = run.metrics.model.get("hf_config")
     if not hf_config:
         raise MemoryReportError(f"{run.rel}: metrics.json has no model.hf_config")
     return model_spec(run.model, hf_config, deploy["weight_dtype"], deploy["kv_dtype"])
@@ -63,7 +63,7 @@ def context_of(full: Run, rows: dict | None = None) -> tuple[int, int, str]:
     if gens:
         seen, prompt = gens[(len(gens) - 1) // 2]  # the lower median: a request that ran
         return int(prompt), int(seen), f"median request of {len(gens)}"
-    kv = full.metrics.get("kv") or {}
+    kv = full.metrics.kv
     prompt, seen = kv.get("peak_prompt_tokens"), kv.get("peak_seen_tokens")
     if not prompt or not seen:
         raise MemoryReportError(f"{full.rel}: metrics.json has no kv.peak_prompt_tokens/peak_seen_tokens")

@@ -9,10 +9,11 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from evalkit.config import CONF_DIR
+from evalkit.errors import EvalkitError
 from evalkit.report.stats import StatSettings
 
 
-class ReportConfigError(ValueError):
+class ReportConfigError(EvalkitError, ValueError):
     """A report setting out of range or of the wrong type; the message names it."""
 
 

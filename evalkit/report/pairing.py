@@ -14,45 +14,47 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from evalkit import identity
+from evalkit.errors import EvalkitError
 from evalkit.report.runs import Run, RunError
 from evalkit.report.stats import StatSettings, compare
 
 
-class PairingError(ValueError):
+class PairingError(EvalkitError, ValueError):
     """Two runs that must not be compared; the message names both folders and what differs."""
 
 
-# (label, getter) pairs compared to say why two runs' identities differ
-def _cfg(*path):
-    def get(run: Run):
-        node = run.config
-        for p in path:
-            node = node.get(p) if isinstance(node, dict) else None
-        return node
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
-    return get
+
+# what evalkit.identity hashes, as a reader names it
+LABELS = {"data_hash": "data hash", "setup": "task.setup", "headline": "task.headline"}
 
 
-GENERATION_FIELDS = [
-    ("task_version", lambda r: r.metrics.get("task_version")),
-    ("data source", lambda r: (r.metrics.get("data") or {}).get("source")),
-    ("data hash", lambda r: (r.metrics.get("data") or {}).get("hash")),
-    ("model source", lambda r: r.metrics["model"].get("source")),
-    ("task.load", _cfg("task", "load")),
-    ("task.generation", _cfg("task", "generation")),
-    ("task.repeats", _cfg("task", "repeats")),
-    ("limit", _cfg("limit")),
-    ("seed", _cfg("seed")),
-    ("model.max_new_tokens", _cfg("model", "max_new_tokens")),
-]
-SCORING_FIELDS = [
-    ("scorer_version", lambda r: r.metrics.get("scorer_version")),
-    ("task.setup", _cfg("task", "setup")),
-]
+def generation_fields(run: Run) -> dict:
+    m = run.metrics
+    return _flat(identity.generation_fields(run.config, m.task_version, m.data_hash))
+
+
+def scoring_fields(run: Run) -> dict:
+    return _flat(identity.scoring_fields(run.config.get("task") or {}, run.metrics.scorer_version))
 
 
 def differences(a: Run, b: Run, fields, key: str) -> str:
-    diffs = [f"{label} {get(a)!r} vs {get(b)!r}" for label, get in fields if get(a) != get(b)]
+    """The settings (of what identity `key` hashes, read by `fields`) in which two runs differ."""
+    fa, fb = fields(a), fields(b)
+    diffs = [
+        f"{LABELS.get(k, k)} {fa.get(k)!r} vs {fb.get(k)!r}"
+        for k in sorted(set(fa) | set(fb), key=lambda k: (k not in ("task_version", "scorer_version"), k))
+        if fa.get(k) != fb.get(k)
+    ]
     return ", ".join(diffs) or f"identity.{key} {a.identity[key]} vs {b.identity[key]}"
 
 
@@ -70,7 +72,7 @@ def partner(run: Run, fulls: list[Run]) -> Run:
     if not same:
         raise PairingError(
             "; ".join(
-                f"{run.rel} cannot be paired with {f.rel}: {differences(run, f, GENERATION_FIELDS, 'generation')}"
+                f"{run.rel} cannot be paired with {f.rel}: {differences(run, f, generation_fields, 'generation')}"
                 for f in fulls
             )
         )
@@ -80,7 +82,7 @@ def partner(run: Run, fulls: list[Run]) -> Run:
         )
     full = same[0]
     if full.identity["scoring"] != run.identity["scoring"]:
-        why = differences(run, full, SCORING_FIELDS, "scoring")
+        why = differences(run, full, scoring_fields, "scoring")
         raise PairingError(f"{run.rel} cannot be paired with {full.rel}: scored differently ({why})")
     return full
 

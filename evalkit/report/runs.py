@@ -10,15 +10,15 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from evalkit.results import short_hash
+from evalkit import metrics as metrics_record
+from evalkit.errors import EvalkitError
+from evalkit.identity import hashes
+from evalkit.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-# Fields a metrics.json must hold for the leaderboard and the report (dotted paths into the JSON).
-REQUIRED = ("task", "headline", "model.name", "method.name", "scores")
 
-
-class RunError(ValueError):
+class RunError(EvalkitError, ValueError):
     """A run that cannot be used as asked: an unreadable or empty samples.jsonl, a run without identity
     fields. The message names the run folder."""
 
@@ -27,27 +27,27 @@ class RunError(ValueError):
 class Run:
     folder: Path
     rel: str  # the folder relative to <results_dir>/runs: how messages name a run
-    metrics: dict
+    metrics: Metrics
 
     @property
     def model(self) -> str:
-        return self.metrics["model"]["name"]
+        return self.metrics.model["name"]
 
     @property
     def task(self) -> str:
-        return self.metrics["task"]
+        return self.metrics.task
 
     @property
     def method(self) -> str:
-        return self.metrics["method"]["name"]
+        return self.metrics.method["name"]
 
     @property
     def headline(self) -> str:
-        return self.metrics["headline"]
+        return self.metrics.headline
 
     @property
     def budget(self) -> int | None:
-        return self.metrics.get("budget", self.metrics["method"].get("budget"))
+        return self.metrics.budget
 
     @property
     def is_full(self) -> bool:
@@ -55,7 +55,7 @@ class Run:
 
     @property
     def config(self) -> dict:
-        return (self.metrics.get("provenance") or {}).get("config") or {}
+        return self.metrics.config
 
     @property
     def settings(self) -> str:
@@ -63,7 +63,7 @@ class Run:
         or `default`. Two runs with the same method and budget but other settings are other configurations."""
         # the runner records the budget tag as method.tag (method.conf is the method's conf folder name); the
         # run folder's name is the same tag
-        tag = str(self.metrics["method"].get("tag") or self.rel.rsplit("/", 1)[-1])
+        tag = str(self.metrics.method.get("tag") or self.rel.rsplit("/", 1)[-1])
         rest = tag.split("-", 1)[1] if "-" in tag else ""
         return rest or "default"
 
@@ -71,28 +71,13 @@ class Run:
     def identity(self) -> dict:
         """{generation, method, scoring, source}: recorded by the runner, or derived here from the resolved
         config (`source: derived`) for a metrics.json written before the runner recorded it."""
-        recorded = self.metrics.get("identity")
+        recorded = self.metrics.identity
         if isinstance(recorded, dict) and recorded.get("generation"):
             return {**recorded, "source": "recorded"}
         if not self.config:
             return {"generation": None, "method": None, "scoring": None, "source": "absent"}
-        cfg, m = self.config, self.metrics
-        task = {k: v for k, v in (cfg.get("task") or {}).items() if k != "setup"}  # setup is scoring
-        generation = {
-            "model": cfg.get("model"),
-            "task": task,
-            "task_version": m.get("task_version"),
-            "data_hash": (m.get("data") or {}).get("hash"),
-            "limit": cfg.get("limit"),
-            "seed": cfg.get("seed"),
-        }
-        scoring = {"scorer_version": m.get("scorer_version"), "setup": (cfg.get("task") or {}).get("setup")}
-        return {
-            "generation": short_hash(generation),
-            "method": short_hash(m["method"]),
-            "scoring": short_hash(scoring),
-            "source": "derived",
-        }
+        m = self.metrics
+        return {**hashes(self.config, m.task_version, m.data_hash, m.scorer_version), "source": "derived"}
 
     def samples(self) -> dict[str, dict]:
         """samples.jsonl rows by sample id; RunError names the folder and line for anything unusable."""
@@ -120,21 +105,6 @@ class Run:
         return rows
 
 
-def _check(metrics) -> None:
-    if not isinstance(metrics, dict):
-        raise ValueError(f"not a JSON object (a {type(metrics).__name__})")
-    for dotted in REQUIRED:
-        node = metrics
-        for part in dotted.split("."):
-            if not isinstance(node, dict) or part not in node:
-                raise ValueError(f"no '{dotted}' (an older or foreign schema)")
-            node = node[part]
-    if not isinstance(metrics["scores"], dict) or not all(
-        isinstance(v, dict) and "mean" in v for v in metrics["scores"].values()
-    ):
-        raise ValueError("'scores' is not {key: {mean, stderr, n}}")
-
-
 def load_runs(results_dir: str | Path) -> tuple[list[Run], list[str]]:
     """Every readable `<results_dir>/runs/**/metrics.json`, and one note (also logged as a warning) per
     file skipped, naming it and why: one bad file never stops the rest."""
@@ -143,8 +113,7 @@ def load_runs(results_dir: str | Path) -> tuple[list[Run], list[str]]:
     for path in sorted(root.glob("**/metrics.json")):
         rel = path.parent.relative_to(root).as_posix()
         try:
-            metrics = json.loads(path.read_text(encoding="utf-8"))
-            _check(metrics)
+            metrics = metrics_record.load(path)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
             note = f"{root / rel}/metrics.json: skipped ({type(e).__name__}: {e})"
             log.warning(note)

@@ -21,7 +21,7 @@ from tasks.ruler.generate import GENERATOR_VERSION
 
 def cache_root(cache_dir: str | None = None) -> Path:
     """`<cache_dir or evalkit's cache ($EVALKIT_CACHE, ~/.cache/evalkit)>/ruler`."""
-    from evalkit.models import cache_dir as evalkit_cache
+    from evalkit.sources import cache_dir as evalkit_cache
 
     return (Path(cache_dir).expanduser() if cache_dir else evalkit_cache()) / "ruler"
 

@@ -1,0 +1,186 @@
+"""What a run is: which settings count for its generations and for its scoring, the hashes that tell two
+configurations apart, and what a run folder's state means for a new invocation (new / rescore / done / refuse).
+
+The runner records the hashes in metrics.json (`identity`); the report pairs runs on them and derives them with
+the same recipe for a metrics.json written before they were recorded (evalkit.report.runs).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from evalkit.journal import task_id
+
+# Settings that never change a generation: where results live, how a task grades (the code sandbox's limits),
+# which score a table shows first, and how a served model is reached (its address, concurrency, retries: the
+# server's own identity is checked separately, evalkit.served). A change of the grading ones re-scores a finished
+# run from its journal.
+NOT_GENERATION = (
+    "results_dir",
+    "task.setup",
+    "task.headline",
+    "model.base_url",
+    "model.num_concurrent",
+    "model.max_retries",
+    "model.timeout_s",
+)
+
+# Settings added after runs already existed, with the value that does what those runs did: a saved config that
+# lacks one is read with it, so upgrading evalkit never orphans a finished or half-done run folder.
+ADDED_SETTINGS = {"compile": False}
+
+
+def saved_config(text: str) -> DictConfig:
+    """A run folder's config.yaml, completed with ADDED_SETTINGS it predates."""
+    cfg = OmegaConf.create(text)
+    for key, value in ADDED_SETTINGS.items():
+        if OmegaConf.select(cfg, key, default="<missing>") == "<missing>":
+            OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+def generation_settings(cfg: DictConfig | dict) -> dict:
+    """The resolved config without the keys in NOT_GENERATION: what two runs must share to share a journal."""
+    out = copy.deepcopy(cfg) if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
+    for key in NOT_GENERATION:
+        *parents, leaf = key.split(".")
+        node = out
+        for name in parents:
+            node = node.get(name) or {}
+        node.pop(leaf, None)
+    task = out.get("task")
+    if isinstance(task, dict) and isinstance(task.get("lm_eval_task"), str):
+        task["lm_eval_task"] = task_id(task["lm_eval_task"])  # the namespace is no generation setting
+    return out
+
+
+def generation_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(generation_settings(cfg)), sort_keys=True)
+
+
+def short_hash(obj) -> str:
+    """16 hex digits of sha256 over canonical JSON: identities of configurations in metrics.json."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# --- the hashes ----------------------------------------------------------------------------------------------
+def generation_fields(cfg: DictConfig | dict, task_version, data_hash) -> dict:
+    """What the generation identity hashes: the generation settings but the method (model, task and its load,
+    generation and repeats, limit, seed, batch size), the task version and the data hash."""
+    settings = generation_settings(cfg)
+    settings.pop("method", None)
+    for (
+        key,
+        default,
+    ) in ADDED_SETTINGS.items():  # a setting at the value older runs had: same identity as theirs
+        if "." not in key and settings.get(key) == default:
+            settings.pop(key)
+    return {**settings, "task_version": task_version, "data_hash": data_hash}
+
+
+def scoring_fields(task_cfg: DictConfig | dict, scorer_version) -> dict:
+    """What the scoring identity hashes: what a finished run's metrics depend on beyond its generations (the
+    scorer's version, the grading settings `task.setup`, the headline metric). A change re-scores the run."""
+    task = OmegaConf.to_container(task_cfg, resolve=True) if OmegaConf.is_config(task_cfg) else task_cfg
+    return {"scorer_version": scorer_version, "setup": task.get("setup"), "headline": task.get("headline")}
+
+
+def hashes(cfg: DictConfig | dict, task_version, data_hash, scorer_version) -> dict:
+    """{generation, method, scoring} of a resolved config: two runs share a leaderboard cell or are paired only
+    when the identities that matter are equal."""
+    task = (cfg.get("task") if isinstance(cfg, dict) else cfg.task) or {}
+    return {
+        "generation": short_hash(generation_fields(cfg, task_version, data_hash)),
+        "method": short_hash(generation_settings(cfg).get("method")),
+        "scoring": short_hash(scoring_fields(task, scorer_version)),
+    }
+
+
+def scoring_identity(plan) -> str:
+    return short_hash(scoring_fields(plan.cfg.task, plan.task_module.SCORER_VERSION))
+
+
+def identity(plan, loaded) -> dict:
+    """The hashes of a planned run on its loaded data (recorded in metrics.json)."""
+    module = plan.task_module
+    return hashes(plan.cfg, module.VERSION, loaded.data_hash, module.SCORER_VERSION)
+
+
+# --- what a run folder's state means -------------------------------------------------------------------------
+def check_folder(out: Path, cfg: DictConfig) -> None:
+    """A folder holding a run of another configuration is refused, never mixed. Settings that only grade or
+    score (`task.setup`, the headline) may change: the run is then re-scored from its journal."""
+    from evalkit.config import ConfigError
+
+    saved = out / "config.yaml"
+    if not saved.exists():
+        return
+    old = _saved(saved)
+    if generation_yaml(old) != generation_yaml(cfg):
+        keys = differing(generation_settings(old), generation_settings(cfg))
+        raise ConfigError(
+            f"{out} holds a run with a different config: {'; '.join(keys[:8])}"
+            f"{f' (and {len(keys) - 8} more)' if len(keys) > 8 else ''}. "
+            "Use another results_dir, or delete that folder to redo it."
+        )
+
+
+def differing(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """`key: old -> new` for every leaf setting that differs between two resolved configs."""
+    out = []
+    for key in sorted(set(old) | set(new), key=str):
+        a, b = old.get(key, "<unset>"), new.get(key, "<unset>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differing(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} there, {b!r} now")
+    return out
+
+
+def _saved(path: Path) -> DictConfig:
+    """A run folder's config.yaml; one evalkit did not write (damaged, edited into garbage) is refused by name."""
+    from evalkit.config import ConfigError
+
+    try:
+        cfg = saved_config(path.read_text(encoding="utf-8"))
+    except Exception as e:  # noqa: BLE001 (YAML, decoding and OmegaConf errors alike: the file is not ours)
+        raise ConfigError(
+            f"{path} is not a config evalkit wrote ({type(e).__name__}); restore it, or delete the folder to redo "
+            "the run"
+        ) from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(
+            f"{path} is not a config evalkit wrote; restore it, or delete the folder to redo the run"
+        )
+    return cfg
+
+
+def classify(plan, loaded) -> str:
+    """done (skip), rescore (metrics from another scorer or grading settings), rebuild (finished, but its
+    samples.jsonl is gone: scored again from the journal) or new (no metrics yet). Changed data under a finished
+    run is an error (DataError), never a skip."""
+    from evalkit import metrics
+    from evalkit.task import DataError
+
+    path = plan.out / "metrics.json"
+    if not path.exists():
+        return "new"
+    try:
+        old = metrics.load(path, strict=False)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        return "rescore"  # a damaged metrics.json is rebuilt from the journal
+    recorded = old.data_hash
+    if recorded is not None and recorded != loaded.data_hash:
+        raise DataError(
+            f"{plan.out} was scored on data {recorded[:12]}..., but {loaded.source} now hashes to "
+            f"{loaded.data_hash[:12]}...: its generations answer other prompts. Restore the data, or delete the "
+            "folder to run again."
+        )
+    if (old.identity or {}).get("scoring") != scoring_identity(plan):
+        return "rescore"
+    return "done" if (plan.out / "samples.jsonl").is_file() else "rebuild"

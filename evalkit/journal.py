@@ -1,0 +1,185 @@
+"""The generation journal: one JSON line per finished generation, keyed by request, the resume point after a crash.
+
+This module owns everything about a journal line: its key (`request_key`: task/doc/request index/repeat), its
+fields (`RECORD_FIELDS`), the hash of the prompt it answers (`prompt_hash`), how an LM writes one
+(`journal_record`) and reuses one (`journaled`), and the append-only file itself (`Journal`). Both LMs (in
+process, evalkit.lm; served, evalkit.served) write through it and scoring (evalkit.scoring) reads through it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+from evalkit.errors import EvalkitError
+from evalkit.results import atomic_write
+
+# evalkit's lm-eval tasks are registered as `evalkit_<task>` so that no name collides with a task or group lm-eval
+# ships (its `ruler` group, `aime24`, ...). Runs made before that rename used the bare names.
+LM_EVAL_PREFIX = "evalkit_"
+
+# What every journal line must hold (`journal_record` writes it); anything else is set aside on load.
+RECORD_FIELDS = {"key": str, "doc_id": int, "repeat": int, "text": str, "prompt_hash": str, "stats": dict}
+
+
+class JournalError(EvalkitError, RuntimeError):
+    """The journal does not hold what the run's samples need (the data or the prompts changed under it)."""
+
+
+def task_id(lm_eval_task: str) -> str:
+    """evalkit's own name for an lm-eval task: the registered name without the `evalkit_` namespace. Journal keys,
+    sampling seeds and generation identities use it, so run folders made before the rename (journals keyed
+    `ruler/...`, configs with `lm_eval_task: ruler`) are skipped, re-scored and resumed as they were."""
+    return lm_eval_task.removeprefix(LM_EVAL_PREFIX)
+
+
+# --- keys ----------------------------------------------------------------------------------------------------
+def request_key(task: str, doc_id: int, idx: int, repeat: int) -> str:
+    """The journal key of one lm-eval request (`idx` is lm-eval's request index within a doc: 0 for generation).
+    The task part is evalkit's name for it (`task_id`), whatever namespace lm-eval registers it under."""
+    return f"{task_id(task)}/{doc_id}/{idx}/{repeat}"
+
+
+def request_keys(task: str, n_docs: int, repeats: int) -> list[str]:
+    return [request_key(task, d, 0, r) for d in range(n_docs) for r in range(repeats)]
+
+
+def keyed(requests) -> list[str]:
+    """The journal key of each lm-eval request, in order (lm-eval repeats a request k times: repeat 0..k-1)."""
+    repeat, keys = Counter(), []
+    for req in requests:
+        base = (req.task_name, req.doc_id, req.idx)
+        keys.append(request_key(*base, repeat[base]))
+        repeat[base] += 1
+    return keys
+
+
+# --- records -------------------------------------------------------------------------------------------------
+def prompt_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def record_problem(rec) -> str | None:
+    """Why a parsed journal line is not a usable generation record (None when it is)."""
+    if not isinstance(rec, dict):
+        return f"not a JSON object ({type(rec).__name__})"
+    for name, kind in RECORD_FIELDS.items():
+        if name not in rec:
+            return f"missing {name!r}"
+        if not isinstance(rec[name], kind) or isinstance(rec[name], bool):
+            return f"{name!r} is {type(rec[name]).__name__}, not {kind.__name__}"
+    return None
+
+
+def journal_record(p, text: str, stats: dict) -> dict:
+    """One journal line (RECORD_FIELDS) for a finished request `p` (an evalkit.request.Prompt): what scoring
+    needs, keyed by request."""
+    task, doc_id, idx, rep = p.key.rsplit("/", 3)
+    return {
+        "key": p.key,
+        "task": task,
+        "doc_id": int(doc_id),
+        "repeat": int(rep),
+        "id": p.sample.id if p.sample else None,
+        "prompt_hash": prompt_hash(p.text),
+        "text": text,
+        "stats": stats,
+    }
+
+
+def journaled(journal, prompt) -> dict | None:
+    """The journal's record of this request, if any; one made from another prompt is refused, never reused."""
+    done = journal.get(prompt.key) if journal else None
+    if done is not None and done["prompt_hash"] != prompt_hash(prompt.text):
+        from evalkit.config import ConfigError
+
+        raise ConfigError(
+            f"{journal.path}: request {prompt.key} was generated from a different prompt; the task data "
+            "changed since this run started. Delete the run folder to start over."
+        )
+    return done
+
+
+# --- the file ------------------------------------------------------------------------------------------------
+NOT_UTF8, NOT_JSON = "not valid UTF-8", "not valid JSON"
+
+
+def _parse(line: bytes) -> tuple[dict | None, str | None]:
+    """(record, None) for a usable journal line, else (None, why not)."""
+    try:
+        rec = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, NOT_UTF8
+    except json.JSONDecodeError:
+        return None, NOT_JSON
+    problem = record_problem(rec)
+    return (rec, None) if problem is None else (None, problem)
+
+
+class Journal:
+    """Append-only JSONL of finished generations keyed by request; the resume point after a crash.
+
+    On load, the torn last line of a killed run is dropped (that generation is simply redone); any other line
+    that is not a valid record (bad JSON, a foreign object, a field missing or of the wrong type) is moved to
+    `<name>.rejected` and named by its line number in `self.rejected`, so nothing is lost and nothing crashes
+    later. A repeated key keeps its first record.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.records: dict[str, dict] = {}
+        self.rejected: list[tuple[int, str]] = []  # (line number, reason)
+        if self.path.exists():
+            self._load()
+        self.loaded_keys = frozenset(self.records)  # finished before this process started (a resume)
+        # generated by this process, duplicates of journaled keys included: a resume that regenerated what the
+        # journal held shows here, even though the journal keeps the first record
+        self.generated_keys: set[str] = set()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held open for the run, closed in close())
+
+    def _load(self) -> None:
+        raw = self.path.read_bytes()  # bytes: a kill can cut a line inside a multi-byte character
+        lines = raw.split(b"\n")
+        good, bad = [], []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            rec, problem = _parse(line)
+            if problem in (NOT_JSON, NOT_UTF8) and number == len(lines):  # no newline after it: a torn write
+                continue
+            if problem is None and rec["key"] in self.records:
+                continue  # a duplicate of a finished request: the first one stands
+            if problem is not None:
+                self.rejected.append((number, problem))
+                bad.append(line)
+                continue
+            self.records[rec["key"]] = rec
+            good.append(line)
+        if bad:
+            with open(self.path.with_name(self.path.name + ".rejected"), "ab") as f:
+                f.write(b"".join(b + b"\n" for b in bad))
+        clean = b"".join(g + b"\n" for g in good)
+        if clean != raw:  # torn, foreign or duplicate lines dropped; end on a newline before appending again
+            atomic_write(self.path, clean)
+
+    def get(self, key: str) -> dict | None:
+        return self.records.get(key)
+
+    def append(self, record: dict) -> None:
+        self.generated_keys.add(record["key"])
+        if record["key"] in self.records:
+            return
+        problem = record_problem(record)
+        if problem is not None:  # a bug in the writer: never journal what could not be read back
+            raise ValueError(f"journal record {record.get('key')!r}: {problem}")
+        self.records[record["key"]] = record
+        self._file.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()

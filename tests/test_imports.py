@@ -1,0 +1,152 @@
+"""The floor plan, read from the source (no module is imported): no import cycle among evalkit's and the tasks'
+modules, and no task reaches a compression method (`evalkit.kv`) through what it imports.
+
+Every import counts, also one inside a function (it runs when the function does), except those under
+`if TYPE_CHECKING:`. An import of a package counts as its `__init__`; `from pkg import name` counts as
+`pkg.name` where that is a module, else as `pkg`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("evalkit", "tasks")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _type_checking(node: ast.If) -> bool:
+    return "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The evalkit/tasks modules `name` imports (anywhere in its body)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and _type_checking(node)
+        for n in ast.walk(node)
+    }
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # `import evalkit.kv.select` -> that module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    edges = {name: imported(name, path, known) for name, path in known.items()}
+    for name in known:  # importing a.b.c runs a/__init__ and a/b/__init__ first
+        parts = name.split(".")
+        edges[name] |= {".".join(parts[:i]) for i in range(1, len(parts))} & set(known) - {name}
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan), as a path."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def reach(edges: dict[str, set[str]], start: str) -> dict[str, str]:
+    """Every module reachable from `start`, each with the module that first imports it (for the path)."""
+    parent, todo = {start: ""}, [start]
+    while todo:
+        v = todo.pop(0)
+        for w in sorted(edges[v]):
+            if w not in parent:
+                parent[w] = v
+                todo.append(w)
+    return parent
+
+
+def path_to(parent: dict[str, str], end: str) -> str:
+    chain = [end]
+    while parent[chain[-1]]:
+        chain.append(parent[chain[-1]])
+    return " -> ".join(reversed(chain))
+
+
+def is_package_init_edge(a: str, b: str) -> bool:
+    return a.startswith(b + ".")
+
+
+def test_no_import_cycle():
+    edges = graph()
+    # a package's __init__ importing its own submodules is how packages work, not a cycle between concepts
+    plain = {
+        a: {b for b in bs if not is_package_init_edge(a, b) and not is_package_init_edge(b, a)}
+        for a, bs in edges.items()
+    }
+    assert cycles(plain) == []
+
+
+def test_no_task_reaches_a_compression_method():
+    edges = graph()
+    bad = []
+    for name in sorted(n for n in edges if n.split(".")[0] == "tasks"):
+        parent = reach(edges, name)
+        kv = sorted(m for m in parent if m == "evalkit.kv" or m.startswith("evalkit.kv."))
+        if kv:
+            bad.append(path_to(parent, kv[0]))
+    assert bad == []
+
+
+def test_the_walk_sees_function_level_imports():
+    """The walker itself: a lazy import inside a function is an edge (evalkit.models imports evalkit.lm in
+    `make_lm`), one under `if TYPE_CHECKING:` is not (evalkit.sources names ModelSpec only for its hints)."""
+    edges = graph()
+    assert "evalkit.lm" in edges["evalkit.models"] and "evalkit.models" not in edges["evalkit.sources"]
