@@ -15,6 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from evalkit.journal import task_id
+from evalkit.results import short_hash  # noqa: F401  (the identities' hash; re-exported)
 
 # Settings that never change a generation: where results live, how a task grades (the code sandbox's limits),
 # which score a table shows first, and how a served model is reached (its address, concurrency, retries: the
@@ -22,6 +23,7 @@ from evalkit.journal import task_id
 # run from its journal.
 NOT_GENERATION = (
     "results_dir",
+    "batch_size",  # continuous batching decodes every request as it would alone (the engine's tests)
     "task.setup",
     "task.headline",
     "model.base_url",
@@ -63,11 +65,6 @@ def generation_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(generation_settings(cfg)), sort_keys=True)
 
 
-def short_hash(obj) -> str:
-    """16 hex digits of sha256 over canonical JSON: identities of configurations in metrics.json."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 # --- the hashes ----------------------------------------------------------------------------------------------
 def generation_fields(cfg: DictConfig | dict, task_version, data_hash) -> dict:
     """What the generation identity hashes: the generation settings but the method (model, task and its load,
@@ -101,14 +98,27 @@ def hashes(cfg: DictConfig | dict, task_version, data_hash, scorer_version) -> d
     }
 
 
+def scorer_code(module) -> str:
+    """A digest of the task package's Python source (tasks/<name>/*.py: the scorer, its graders and the sandboxed
+    driver). An edit that forgets to bump SCORER_VERSION still re-scores finished runs from their journals, never
+    keeps stale scores; an edit of the prompt code is then caught by the journal's prompt hashes."""
+    files = sorted(Path(module.__file__).resolve().parent.glob("*.py"))
+    return short_hash({f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files})
+
+
 def scoring_identity(plan) -> str:
-    return short_hash(scoring_fields(plan.cfg.task, plan.task_module.SCORER_VERSION))
+    """The runner's scoring identity: the scoring fields and the scorer's code (the report, which has only the
+    recorded config, derives its scoring hashes without the code, alike for every run it compares)."""
+    fields = scoring_fields(plan.cfg.task, plan.task_module.SCORER_VERSION)
+    return short_hash({**fields, "code": scorer_code(plan.task_module)})
 
 
 def identity(plan, loaded) -> dict:
     """The hashes of a planned run on its loaded data (recorded in metrics.json)."""
     module = plan.task_module
-    return hashes(plan.cfg, module.VERSION, loaded.data_hash, module.SCORER_VERSION)
+    return hashes(plan.cfg, module.VERSION, loaded.data_hash, module.SCORER_VERSION) | {
+        "scoring": scoring_identity(plan)
+    }
 
 
 # --- what a run folder's state means -------------------------------------------------------------------------

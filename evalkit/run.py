@@ -30,6 +30,8 @@ from evalkit.config import (
     CONF_DIR,
     ConfigError,
     check_choice,
+    choices,
+    compose,
     group_config,
     model_spec,
 )
@@ -81,7 +83,7 @@ def plan(cfg: DictConfig) -> Plan:
     if (same := canonical(cfg.method, method, defaults)) is not cfg.method:  # e.g. recent=32 at budget 256
         cfg = OmegaConf.merge(cfg, {"method": same})
     check_run_settings(cfg)
-    out = run_dir(cfg, method_name, defaults)
+    out = run_dir(cfg, method_name, defaults, conf_defaults(cfg))
     try:
         task_module = importlib.import_module(cfg.task.module)
     except ImportError as e:
@@ -96,6 +98,14 @@ def plan(cfg: DictConfig) -> Plan:
     spec = model_spec(cfg.model)
     spec.check(method_name)  # a served model: method full, a valid address, a tokenizer
     return Plan(cfg, method, spec, task_module, out)
+
+
+def conf_defaults(cfg: DictConfig) -> DictConfig | None:
+    """The config `task=<task> model=<model>` composes to with nothing else set: what a run's folder name is
+    measured against (None for a task or model that is not a conf of conf/)."""
+    if cfg.task.name not in choices("task") or cfg.model.name not in choices("model"):
+        return None
+    return compose(overrides=[f"task={cfg.task.name}", f"model={cfg.model.name}"])
 
 
 def check_run_settings(cfg: DictConfig) -> None:

@@ -71,3 +71,18 @@ def killed_run(args: list[str], results: Path, after: int) -> subprocess.Complet
     )
     cmd = [sys.executable, "-c", hook, *args, f"results_dir={results}"]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def planned_folder(results, *overrides: str) -> Path:
+    """Where `python -m evalkit <overrides> results_dir=<results>` writes: the runner's own plan (the naming rule
+    itself is tested literally in tests/test_results.py)."""
+    import evalkit.run as runner
+    from evalkit.config import compose
+
+    return runner.plan(compose(overrides=[*overrides, f"results_dir={results}"])).out
+
+
+def the_run(results, method: str, tag: str) -> Path:
+    """The one run folder of `method`/`tag` under `results` (task and model folder names carry their settings)."""
+    (found,) = Path(results).glob(f"runs/*/*/{method}/{tag}")
+    return found

@@ -41,6 +41,7 @@ def test_each_generation_setting_changes_the_generation_identity(overrides, chan
         (["results_dir=/elsewhere"], True, True, True),  # where results live changes nothing
         (["task.headline=score/vt"], True, True, False),  # grading: re-scored, never regenerated
         (["compile=false"], True, True, True),  # an added setting at the value older runs had
+        (["batch_size=4"], True, True, True),  # outputs equal batch 1: a batch-4 run resumes or pairs
     ],
 )
 def test_what_does_not_change_the_generation_identity(overrides, generation_same, method_same, scoring_same):

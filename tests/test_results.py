@@ -150,3 +150,35 @@ def test_journal_drops_a_line_torn_inside_a_multibyte_character(tmp_path):
     assert set(j.records) == {"a", "c", "d"} and j.rejected == [(3, "not valid UTF-8")]
     j.close()
     assert (tmp_path / "generations.jsonl.rejected").read_bytes() == cut + b"\n"
+
+
+@pytest.mark.parametrize(
+    "overrides, task, model, tag",
+    [
+        ([], "ruler", "smollm2_135m", "256"),  # the defaults: the folder every earlier run has
+        (["task.load.n=1", "task.load.lengths=[1024]"], "ruler-lengths1024-n1", "smollm2_135m", "256"),
+        (["task.load.tasks=[niah_single_1,vt]"], "ruler-tasksniah_single_1+vt", "smollm2_135m", "256"),
+        (["limit=2", "seed=3"], "ruler-limit2-seed3", "smollm2_135m", "256"),
+        (
+            ["model.max_new_tokens=64", "method.recent=64"],
+            "ruler",
+            "smollm2_135m-max_new_tokens64",
+            "256-recent64",
+        ),
+        (["task=aime24", "task.load.source=/data/aime 2024.jsonl"], "aime24-sourceh", "smollm2_135m", "256"),
+        # what never changes a generation stays out: grading, the headline, batching, compiling, where
+        (["task.headline=score/vt", "batch_size=4", "compile=true"], "ruler", "smollm2_135m", "256"),
+        (["task=livecodebench", "task.setup.workers=1"], "livecodebench", "smollm2_135m", "256"),
+    ],
+)
+def test_settings_changed_from_the_confs_name_the_folders(overrides, task, model, tag):
+    """A 6-problem run and the 24-problem default land in different folders, so both can exist; a path
+    becomes a short hash (`sourceh<8 hex>`)."""
+    import evalkit.run as runner
+    from evalkit.config import compose
+
+    out = runner.plan(compose(overrides=[*overrides, "results_dir=R"])).out
+    assert out.parts[:2] == ("R", "runs") and out.parts[3:5] == (model, "snapstream") and out.name == tag
+    assert out.parts[2] == task if not task.endswith("sourceh") else out.parts[2][: len(task)] == task
+    if task.endswith("sourceh"):
+        assert len(out.parts[2]) == len(task) + 8 and out.parts[2] != task

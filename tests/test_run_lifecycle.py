@@ -15,6 +15,7 @@ from evalkit.config import ConfigError, compose
 from evalkit.journal import JournalError
 from evalkit.results import RunInUse, RunLock
 from evalkit.task import DataError
+from tests.conftest import planned_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 RULER = [
@@ -31,8 +32,9 @@ def run(*overrides, results):
     return runner.run(compose(overrides=[*overrides, f"results_dir={results}"]))
 
 
-def folder(results, task="ruler", method="snapstream", tag="64"):
-    return Path(results) / "runs" / task / "tiny_llama" / method / tag
+def folder(results, *overrides):
+    """The run folder of RULER + budget 64 (or of the overrides given)."""
+    return planned_folder(results, *(overrides or (*RULER, "method.budget=64")))
 
 
 @pytest.fixture
@@ -83,8 +85,8 @@ def test_a_changed_headline_rescores_and_a_changed_generation_setting_is_refused
     monkeypatch.setattr(runner, "get_model", lambda spec: pytest.fail("loaded"))
     m = run(*RULER, "method.budget=64", "task.headline=score/vt", results=tmp_path)[0]
     assert m["headline"] == "score/vt" and m["generation"]["generated_now"] == 0
-    with pytest.raises(ConfigError, match="different config"):
-        run(*RULER, "method.budget=64", "seed=5", results=tmp_path)
+    with pytest.raises(ConfigError, match="different config: compile: False there, True now"):
+        run(*RULER, "method.budget=64", "compile=true", results=tmp_path)
 
 
 def test_a_finished_run_without_its_samples_is_rebuilt_from_the_journal(tmp_path, monkeypatch, capsys):
@@ -227,7 +229,7 @@ def test_evalkit_scores_equal_lm_evals_process_results(tmp_path, monkeypatch):
     from evalkit.lm import EvalkitLM
 
     run(*AIME, "task.repeats=2", results=tmp_path)  # sampled at T=0.6: the two repeats differ
-    out = folder(tmp_path, "aime24", "streamingllm", "256")
+    out = folder(tmp_path, *AIME, "task.repeats=2")
     journal = Journal(out / "generations.jsonl")
     model, tokenizer = runner.get_model(runner.plans_for(compose(overrides=AIME))[0].spec)
     evalkit_lm = EvalkitLM(model="tiny_llama", hf_model=model, tokenizer=tokenizer, journal=journal)
@@ -361,3 +363,33 @@ def test_settings_are_canonicalised_one_at_a_time_with_the_others_as_given(tmp_p
         compose(overrides=[*RULER, "method.budget=64", "method.recent=32", f"results_dir={tmp_path}"])
     )
     assert plan.out.name == "64"
+
+
+def test_a_scorer_edited_without_a_version_bump_rescores(tmp_path, monkeypatch, capsys):
+    import evalkit.identity
+
+    run(*RULER, "method.budget=64", results=tmp_path)
+    monkeypatch.setattr(evalkit.identity, "scorer_code", lambda module: "edited")  # same SCORER_VERSION
+    monkeypatch.setattr(runner, "get_model", lambda spec: pytest.fail("re-scoring loaded the model"))
+    capsys.readouterr()
+    again = run(*RULER, "method.budget=64", results=tmp_path)[0]
+    assert "re-scoring from its journal" in capsys.readouterr().out
+    assert again["generation"]["generated_now"] == 0
+
+
+def test_the_scorer_digest_follows_the_task_packages_source(tmp_path):
+    import importlib.util
+
+    from evalkit.identity import scorer_code
+
+    pkg = tmp_path / "mytask"
+    pkg.mkdir()
+    (pkg / "mytask.py").write_text("def score(p, s):\n    return {'score': 1.0}\n")
+    (pkg / "grade.py").write_text("X = 1\n")
+    spec = importlib.util.spec_from_file_location("mytask_probe", pkg / "mytask.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    before = scorer_code(module)
+    assert scorer_code(module) == before  # stable
+    (pkg / "grade.py").write_text("X = 2\n")  # a grader beside the module changed
+    assert scorer_code(module) != before

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from evalkit.config import CONF_DIR, choices, compose
-from tests.conftest import killed_run
+from tests.conftest import killed_run, planned_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model=tiny_llama", "task.load.n=1", "task.load.lengths=[1024]"]
@@ -23,8 +23,8 @@ def evalkit(*args, results, check=True, timeout=600):
     return proc
 
 
-def run_folder(results, method="snapstream", budget="64"):
-    return Path(results) / "runs" / "ruler" / "tiny_llama" / method / budget
+def run_folder(results, *overrides):
+    return planned_folder(results, *overrides)
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,8 @@ def test_launcher_confs_exist():
 
 def test_run_writes_results_and_is_idempotent(tmp_path):
     evalkit(*SMALL, "method=snapstream", "method.budget=64", results=tmp_path)
-    out = run_folder(tmp_path)
+    out = run_folder(tmp_path, *SMALL, "method=snapstream", "method.budget=64")
+    assert out.relative_to(tmp_path).parts[1:3] == ("ruler-lengths1024-n1", "tiny_llama")
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["method"]["name"] == "snapstream" and metrics["budget"] == 64 and metrics["n"] == 6
     assert metrics["kv"]["peak_entries"] == 64
@@ -73,8 +74,10 @@ def test_run_writes_results_and_is_idempotent(tmp_path):
     assert "prompt" not in samples[0] and len(samples[0]["prompt_hash"]) == 16  # no full contexts stored
     again = evalkit(*SMALL, "method=snapstream", "method.budget=64", results=tmp_path)
     assert "is complete; skipping" in again.stdout
-    clash = evalkit(*SMALL, "method=snapstream", "method.budget=64", "seed=3", results=tmp_path, check=False)
-    assert clash.returncode == 2 and "different config" in clash.stderr
+    clash = evalkit(
+        *SMALL, "method=snapstream", "method.budget=64", "compile=true", results=tmp_path, check=False
+    )
+    assert clash.returncode == 2 and "different config: compile: False there, True now" in clash.stderr
 
 
 @pytest.mark.parametrize("after", [5, 18])  # mid-run, and with every generation journaled but no metrics
@@ -89,14 +92,14 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, after):
     evalkit(*args, results=tmp_path / "clean")
     killed = killed_run(args, tmp_path / "killed", after)  # SIGKILL right after the after-th journal line
     assert killed.returncode == -9
-    journal = run_folder(tmp_path / "killed", "streamingllm") / "generations.jsonl"
+    journal = run_folder(tmp_path / "killed", *args) / "generations.jsonl"
     assert len(journal.read_text().splitlines()) == after and not (journal.parent / "metrics.json").exists()
     done_before = after
     evalkit(*args, results=tmp_path / "killed")
     keys = [json.loads(x)["key"] for x in journal.read_text().splitlines()]
     assert len(keys) == len(set(keys)) == 18  # nothing duplicated, nothing lost
     a, b = (
-        json.loads((run_folder(tmp_path / d, "streamingllm") / "metrics.json").read_text())
+        json.loads((run_folder(tmp_path / d, *args) / "metrics.json").read_text())
         for d in ("clean", "killed")
     )
     assert a["scores"] == b["scores"] and a["kv"] == b["kv"] and a["n"] == b["n"] == 18
@@ -106,9 +109,7 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, after):
         and b["generation"]["generated_now"] == 18 - done_before
     )
     assert a["generation"]["from_journal"] == 0 and a["generation"]["generated_now"] == 18
-    sa, sb = (
-        (run_folder(tmp_path / d, "streamingllm") / "samples.jsonl").read_text() for d in ("clean", "killed")
-    )
+    sa, sb = ((run_folder(tmp_path / d, *args) / "samples.jsonl").read_text() for d in ("clean", "killed"))
 
     def strip(text):
         return [{k: v for k, v in json.loads(x).items() if k != "generation"} for x in text.splitlines()]
@@ -129,7 +130,7 @@ def test_two_job_sweep_through_joblib(tmp_path):
     launched = (tmp_path / "sweeps" / "multirun.yaml").read_text()  # Hydra records the launcher it used
     assert "JoblibLauncher" in launched and "n_jobs: 2" in launched
     for budget in ("64", "128"):
-        m = json.loads((run_folder(tmp_path, budget=budget) / "metrics.json").read_text())
+        m = json.loads((run_folder(tmp_path, *SMALL, f"method.budget={budget}") / "metrics.json").read_text())
         assert m["kv"]["peak_entries"] == int(budget)
 
 
@@ -193,7 +194,14 @@ def test_longbench_cot_makes_the_second_call_without_the_document(tmp_path):
         "model.max_new_tokens=48",
         results=tmp_path,
     )
-    out = tmp_path / "runs" / "longbench_v2_cot" / "tiny_llama" / "snapstream" / "128"
+    out = run_folder(
+        tmp_path,
+        "model=tiny_llama",
+        "task=longbench_v2_cot",
+        "task.load.n=2",
+        "method.budget=128",
+        "model.max_new_tokens=48",
+    )
     journal = [json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()]
     assert len(journal) == 2
     for rec in journal:

@@ -17,7 +17,7 @@ from evalkit.config import compose
 from evalkit.lm import EvalkitLM
 from evalkit.run import run as run_cfg
 from tasks.livecodebench import grade
-from tests.conftest import killed_run
+from tests.conftest import killed_run, planned_folder, the_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +70,7 @@ def test_aime_repeats_reach_pass_at_1_and_cons_at_k(tmp_path, scripted):
         "method=full",
         results=tmp_path,
     )[0]
-    got = rows(tmp_path / "runs/aime24/tiny_llama/full/none")
+    got = rows(the_run(tmp_path, "full", "none"))
     assert [r["id"] for r in got][0] == first_id and all(len(r["predictions"]) == 4 for r in got)
     assert got[0]["scores"]["pass@1"] == 75.0 and got[0]["scores"]["cons@k"] == 100.0
     assert got[1]["scores"]["pass@1"] == 25.0 and got[1]["scores"]["cons@k"] == 0.0
@@ -101,7 +101,7 @@ def test_livecodebench_grades_in_the_sandbox_and_records_isolation(tmp_path, scr
         f"task.load.source={data}",
         results=tmp_path,
     )[0]
-    got = {r["id"]: r for r in rows(tmp_path / "runs/livecodebench/tiny_llama/full/none")}
+    got = {r["id"]: r for r in rows(the_run(tmp_path, "full", "none"))}
     assert sorted(got) == ids
     for sid in ids:
         assert got[sid]["scores"]["pass@1"] == 50.0
@@ -123,7 +123,7 @@ def test_longbench_cot_answer_call_runs_on_a_full_cache(tmp_path):
         "model.max_new_tokens=16",
         results=tmp_path,
     )
-    for row in rows(tmp_path / "runs/longbench_v2_cot/tiny_llama/snapstream/128"):
+    for row in rows(the_run(tmp_path, "snapstream", "128")):
         first = row["generation"][0]
         second = first["followup"]
         assert first["followup_method"] == "full"
@@ -150,7 +150,7 @@ def test_context_capping_and_middle_truncation_are_counted(tmp_path):
         "model.max_new_tokens=null",
         results=tmp_path / "long",
     )[0]
-    stats = rows(tmp_path / "long/runs/aime24/tiny_llama/full/none")[0]["generation"][0]
+    stats = rows(the_run(tmp_path / "long", "full", "none"))[0]["generation"][0]
     assert stats["truncated"] and stats["prompt_tokens"] + stats["max_new_tokens"] <= 600
     assert stats["prompt_tokens"] == 300  # the larger of context - new tokens and half the context is kept
     assert m["generation"]["truncated_prompts"] == 1
@@ -164,7 +164,7 @@ def test_context_capping_and_middle_truncation_are_counted(tmp_path):
         "model.max_new_tokens=null",
         results=tmp_path / "aime",
     )[0]
-    stats = rows(tmp_path / "aime/runs/aime24/tiny_llama/full/none")[0]["generation"][0]
+    stats = rows(the_run(tmp_path / "aime", "full", "none"))[0]["generation"][0]
     assert not stats["truncated"] and stats["max_new_tokens"] == 600 - stats["prompt_tokens"]
     assert m["generation"]["truncated_prompts"] == 0
 
@@ -181,7 +181,7 @@ def test_shared_prefill_at_batch_size_2_equals_separate_runs(tmp_path):
     run(*common, "method.budget=[64,128]", results=tmp_path / "shared")
     for budget in ("64", "128"):
         run(*common, f"method.budget={budget}", results=tmp_path / budget)
-        a, b = (rows(tmp_path / d / "runs/ruler/tiny_llama/snapstream" / budget) for d in ("shared", budget))
+        a, b = (rows(the_run(tmp_path / d, "snapstream", budget)) for d in ("shared", budget))
         assert [r["predictions"] for r in a] == [r["predictions"] for r in b]
         assert [g["prefill_replayed"] for r in a for g in r["generation"]] == [budget == "128"] * 2
 
@@ -202,13 +202,13 @@ def test_a_sampled_run_killed_mid_way_resumes_to_identical_samples(tmp_path, aft
     clean = run(*args, results=tmp_path / "clean")[0]
     killed = killed_run(args, tmp_path / "killed", after)
     assert killed.returncode == -9
-    folder = "runs/aime24/tiny_llama/snapstream/64-recent32-window16"
-    assert not (tmp_path / "killed" / folder / "metrics.json").exists()
+    folder = planned_folder(tmp_path / "killed", *args)
+    assert folder.name == "64-recent32-window16" and not (folder / "metrics.json").exists()
     resumed = run(*args, results=tmp_path / "killed")[0]
     assert (
         resumed["generation"]["from_journal"] == after and resumed["generation"]["generated_now"] == 6 - after
     )
-    a, b = rows(tmp_path / "clean" / folder), rows(tmp_path / "killed" / folder)
+    a, b = rows(planned_folder(tmp_path / "clean", *args)), rows(folder)
     assert [r["predictions"] for r in a] == [r["predictions"] for r in b]
     assert len({p for r in a for p in r["predictions"]}) > 2  # sampled: the repeats really differ
     assert clean["scores"] == resumed["scores"]

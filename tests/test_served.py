@@ -129,7 +129,13 @@ def run(*overrides, results):
 
 
 def folder(results, task="aime24_greedy", model="served"):
-    return Path(results) / "runs" / task / model / "full" / "none"
+    """The one full run of `task` on `model` under `results` (its settings name the folders: `aime24_greedy-n3`)."""
+    (found,) = [
+        p
+        for p in Path(results).glob("runs/*/*/full/none")
+        if p.parts[-4].split("-")[0] == task and p.parts[-3].split("-")[0] == model
+    ]
+    return found
 
 
 def aime_samples(n):

@@ -10,7 +10,7 @@ import torch
 
 from evalkit.kv import KVCache, SnapKV, SnapStream, StreamingLLM
 from evalkit.kv.prefill import PrefillRecord, shared_prefill
-from tests.conftest import tiny_model
+from tests.conftest import the_run, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,10 +107,7 @@ def test_budget_list_at_batch_size_4_equals_separate_runs_at_batch_size_1(tmp_pa
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
     for budget in ("64", "128"):
-        folder = {
-            d: tmp_path / d / f"runs/ruler/tiny_llama/snapstream/{budget}-window48"
-            for d in ("shared", "alone")
-        }
+        folder = {d: the_run(tmp_path / d, "snapstream", f"{budget}-window48") for d in ("shared", "alone")}
         a, b = (json.loads((folder[d] / "metrics.json").read_text()) for d in ("shared", "alone"))
         assert a["scores"] == b["scores"] and a["n"] == b["n"] == 6
         assert a["kv"] == b["kv"]
@@ -121,7 +118,7 @@ def test_budget_list_at_batch_size_4_equals_separate_runs_at_batch_size_1(tmp_pa
         config = {d: (folder[d] / "config.yaml").read_text().replace(str(tmp_path / d), "X") for d in folder}
         assert config["shared"].replace("batch_size: 4", "batch_size: 1") == config["alone"]
     replayed = json.loads(
-        (tmp_path / "shared/runs/ruler/tiny_llama/snapstream/128-window48/metrics.json").read_text()
+        (the_run(tmp_path / "shared", "snapstream", "128-window48") / "metrics.json").read_text()
     )
     assert replayed["generation"]["prefills_replayed"] == 6
 

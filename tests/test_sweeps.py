@@ -11,6 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from evalkit.config import CONF_DIR
+from tests.conftest import the_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = [
@@ -63,7 +64,7 @@ def sweep(results: Path, *extra: str) -> subprocess.CompletedProcess:
 
 def results_of(results: Path, budget: str) -> tuple[dict, list[dict]]:
     """What a run produced, without what depends on when and how fast it ran."""
-    out = results / "runs" / "ruler" / "tiny_llama" / "snapstream" / budget
+    out = the_run(results, "snapstream", budget)
     m = json.loads((out / "metrics.json").read_text())
     metrics = {k: m[k] for k in ("scores", "kv", "n", "identity", "budget", "data", "method")}
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]

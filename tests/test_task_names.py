@@ -13,6 +13,7 @@ import evalkit.run as runner
 import evalkit.task
 from evalkit.config import choices, compose, group_config
 from evalkit.journal import LM_EVAL_PREFIX, task_id
+from tests.conftest import the_run
 
 ROOT = Path(__file__).resolve().parents[1]
 # sampled (T=0.6): equal scores before and after the rename also mean equal per-request seeds
@@ -60,14 +61,14 @@ def test_a_run_folder_made_under_the_old_names_is_skipped_rescored_and_resumed(
 ):
     assert group_config("task", "aime24").lm_eval_task == "evalkit_aime24"
     legacy = run(*AIME, "task.lm_eval_task=aime24", results=tmp_path / "old")[0]  # the old naming, as then
-    out = tmp_path / "old" / "runs" / "aime24" / "tiny_llama" / "streamingllm" / "64"
+    out = the_run(tmp_path / "old", "streamingllm", "64")
     assert "lm_eval_task: aime24\n" in (out / "config.yaml").read_text()
     old_keys = [json.loads(x)["key"] for x in (out / "generations.jsonl").read_text().splitlines()]
     assert sorted(old_keys) == ["aime24/0/0/0", "aime24/1/0/0"]
     monkeypatch.undo()  # from here on: today's tasks/ and conf (lm_eval_task: evalkit_aime24)
 
     fresh = run(*AIME, results=tmp_path / "new")[0]
-    new_out = tmp_path / "new" / "runs" / "aime24" / "tiny_llama" / "streamingllm" / "64"
+    new_out = the_run(tmp_path / "new", "streamingllm", "64")
     new_keys = [json.loads(x)["key"] for x in (new_out / "generations.jsonl").read_text().splitlines()]
     # the journal keys, and the per-request sampling seeds built from them, did not change
     assert sorted(new_keys) == sorted(old_keys)

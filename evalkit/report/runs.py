@@ -15,6 +15,8 @@ from evalkit.errors import EvalkitError
 from evalkit.identity import hashes
 from evalkit.metrics import Metrics
 
+IDS = ("generation", "method", "scoring")
+
 log = logging.getLogger(__name__)
 
 
@@ -72,12 +74,14 @@ class Run:
         """{generation, method, scoring, source}: recorded by the runner, or derived here from the resolved
         config (`source: derived`) for a metrics.json written before the runner recorded it."""
         recorded = self.metrics.identity
-        if isinstance(recorded, dict) and recorded.get("generation"):
-            return {**recorded, "source": "recorded"}
+        has = isinstance(recorded, dict) and bool(recorded.get("generation"))
         if not self.config:
-            return {"generation": None, "method": None, "scoring": None, "source": "absent"}
+            return {**recorded, "source": "recorded"} if has else {**dict.fromkeys(IDS), "source": "absent"}
+        # today's recipe on the recorded config: a setting found later not to change generations (batch_size)
+        # stops separating runs recorded before that, and old and new runs compare alike
         m = self.metrics
-        return {**hashes(self.config, m.task_version, m.data_hash, m.scorer_version), "source": "derived"}
+        derived = hashes(self.config, m.task_version, m.data_hash, m.scorer_version)
+        return {**derived, "source": "recorded" if has else "derived"}
 
     def samples(self) -> dict[str, dict]:
         """samples.jsonl rows by sample id; RunError names the folder and line for anything unusable."""
