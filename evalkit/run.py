@@ -320,11 +320,13 @@ def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
 def check_headline(p: Plan, rows: list[dict]) -> None:
     """The headline must name one of the task's metrics. Known only once a sample is scored; the journal holds
     every generation, so the corrected command re-scores without the model."""
-    names = sorted({k for r in rows for k in r["scores"] if "/" not in k})
+    names = {k for r in rows for k in r["scores"]}
     if rows and p.cfg.task.headline not in names:
+        top = sorted(k for k in names if "/" not in k)  # breakdowns (`score/vt`) are valid too, not listed
         raise ConfigError(
             f"task.headline={p.cfg.task.headline!r} names no metric of task {p.cfg.task.name} (its metrics: "
-            f"{', '.join(names)}). The generations are journaled: run again with a valid task.headline to score"
+            f"{', '.join(top)}, and their '<metric>/<subset>' breakdowns). The generations are journaled: run "
+            "again with a valid task.headline to score"
         )
 
 
