@@ -95,6 +95,9 @@ class Engine:
         self.idle_row_steps = 0  # of them, rows holding no request
         self.generated = 0
         self.started = 0.0
+        # the progress bar's rates: prefill and decode apart (a prefill of 2k tokens is not slow decoding)
+        self.prefill_s = self.decode_s = 0.0
+        self.prefill_tokens = self.decode_tokens = 0
 
     # --- the loop ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -133,6 +136,8 @@ class Engine:
                 start = time.perf_counter()
                 cache, logits = self._prefill(req)
                 row = self._new_row(req, time.perf_counter() - start)
+                self.prefill_s += row.prefill_s
+                self.prefill_tokens += len(req.ids)
                 token = self._choose(row, logits)
                 ended = self._append(row, token)
                 if ended is not None:  # done at its first token: it never needs a row
@@ -170,6 +175,8 @@ class Engine:
                 finished.append((r, ended))
         last.copy_(torch.tensor(chosen, device=last.device))  # one host-to-device write
         wall = time.perf_counter() - start
+        self.decode_s += wall
+        self.decode_tokens += len(active)
         for r in active:
             live[r].share_s += wall / len(active)
         self.steps += 1
@@ -269,6 +276,13 @@ class Engine:
     def _keep_last(self) -> dict:
         """logits_to_keep=1 where the model takes it, as generate passes it (same numbers, less work)."""
         return {"logits_to_keep": 1} if self._keep else {}
+
+    def rates(self) -> dict[str, str]:
+        """Prefill and decode tokens per second so far, apart: what the progress bar shows."""
+        return {
+            "prefill_tok_s": f"{self.prefill_tokens / max(self.prefill_s, 1e-9):.0f}",
+            "decode_tok_s": f"{self.decode_tokens / max(self.decode_s, 1e-9):.1f}",
+        }
 
     def idle_fraction(self) -> float:
         """Share of decoded row-steps that held no request (static batching's waste)."""

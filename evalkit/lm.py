@@ -127,7 +127,7 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
             if job.primary:
                 results[job.index] = text
             bar.update(1)
-            bar.set_postfix(gen_tok_s=f"{stats['tokens_per_s']:.1f}", idle=f"{engine.idle_fraction():.0%}")
+            bar.set_postfix(**engine.rates(), idle=f"{engine.idle_fraction():.0%}")
         bar.close()
         return results
 

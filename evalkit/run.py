@@ -40,7 +40,7 @@ from evalkit.identity import check_folder, classify
 from evalkit.journal import Journal, request_keys
 from evalkit.kv.config import canonical, make_method, method_class
 from evalkit.results import RunLock, atomic_write, config_yaml, run_dir
-from evalkit.summary import print_table, summarize
+from evalkit.summary import announce, next_step, print_table, summarize
 from evalkit.task import DataError
 
 TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
@@ -352,7 +352,9 @@ def run(cfg: DictConfig) -> list[dict]:
             p.state = classify(p, loaded)
             if p.state != "done":
                 p.journal = open_journal(p)
-        todo = [p for p in plans if p.state != "done" and missing(p, loaded)]
+        left = {p.out: missing(p, loaded) for p in plans if p.state != "done"}
+        announce(plans, loaded, len(evaluated(plans[0], loaded)), left)
+        todo = [p for p in plans if left.get(p.out)]
         if todo:
             generate(todo, load_kwargs, context)
         for p in plans:
@@ -374,6 +376,7 @@ def run(cfg: DictConfig) -> list[dict]:
             print(f"evalkit: {p.out} is complete; skipping (delete it to rerun)")
         all_metrics.append(json.loads((p.out / "metrics.json").read_text()))
         print_table(metrics_record.Metrics.from_json(all_metrics[-1]))
+    next_step(plans)
     return all_metrics
 
 

@@ -118,3 +118,58 @@ def print_table(m: Metrics) -> None:
         f" generated {gen['tokens_generated']} tokens in {gen['wall_time_s']:.0f} s"
         f" (hit limit {gen['hit_limit']}, truncated prompts {gen['truncated_prompts']})"
     )
+
+
+# --- what a run says before and after ------------------------------------------------------------------------
+def announce(plans, loaded, n_samples: int, missing: dict) -> None:
+    """Before any model loads: what is evaluated, on what, and where it lands (and what each folder holds)."""
+    cfg = plans[0].cfg
+    load = ", ".join(f"{k}={v}" for k, v in OmegaConf.to_container(cfg.task.load, resolve=True).items())
+    repeats = int(cfg.task.repeats)
+    print(
+        f"evalkit: {cfg.task.name}: {n_samples} problems x {repeats} repeat{'s' * (repeats > 1)} "
+        f"({loaded.source}; {load}) on {cfg.model.name}, method {plans[0].method.name}"
+    )
+    total = n_samples * repeats
+    for p in plans:
+        state = {
+            "done": "complete: skipped",
+            "rescore": "re-scored from its journal (no model)",
+            "rebuild": "samples.jsonl rebuilt from its journal (no model)",
+        }.get(p.state)
+        if state is None:
+            todo = missing.get(p.out, total)
+            state = "new" if todo == total else f"resuming: {total - todo} of {total} generations journaled"
+        print(f"  -> {p.out}  ({state})")
+
+
+def next_step(plans) -> None:
+    """After the table: where it went, and the step that gives a verdict (a compressed run needs the full run
+    on the same problems; then `make report`)."""
+    cfg = plans[0].cfg
+    args = _same_args()
+    for p in plans:
+        print(f"evalkit: results in {p.out}/ (metrics.json, samples.jsonl, generations.jsonl)")
+    compressed = plans[0].method.name != "full"
+    full = plans[0].out.parents[1] / "full" / "none" / "metrics.json"
+    where = f"results_dir={cfg.results_dir}"
+    if compressed and not full.exists():
+        print(f"next: the full-cache reference on the same problems: make eval METHOD=full{args}")
+        print(f"      then compressed vs full, problem by problem: make report {where}")
+    elif compressed:
+        print(f"next: compressed vs full, problem by problem: make report {where}")
+    else:
+        print(f"next: a compressed run on the same problems (make eval METHOD=snapstream BUDGET=256{args}),")
+        print(f"      then make report {where}")
+
+
+def _same_args() -> str:
+    """` ARGS="..."` with the command line's overrides but the method's (empty outside a Hydra run)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return ""
+    keep = [
+        o for o in HydraConfig.get().overrides.task if not o.split("=")[0].lstrip("+~").startswith("method")
+    ]
+    return f' ARGS="{" ".join(keep)}"' if keep else ""

@@ -393,3 +393,18 @@ def test_the_scorer_digest_follows_the_task_packages_source(tmp_path):
     assert scorer_code(module) == before  # stable
     (pkg / "grade.py").write_text("X = 2\n")  # a grader beside the module changed
     assert scorer_code(module) != before
+
+
+def test_a_run_says_what_it_evaluates_where_it_lands_and_what_comes_next(tmp_path, capsys):
+    out = folder(tmp_path)
+    run(*RULER, "method.budget=64", results=tmp_path)
+    said = capsys.readouterr().out
+    assert "evalkit: ruler: 2 problems x 1 repeat (generated:ruler@v" in said and "on tiny_llama" in said
+    assert f"  -> {out}  (new)" in said and f"evalkit: results in {out}/" in said
+    assert "next: the full-cache reference on the same problems: make eval METHOD=full" in said
+    run(*RULER, "method=full", results=tmp_path)
+    assert "next: a compressed run on the same problems" in capsys.readouterr().out
+    run(*RULER, "method.budget=64", results=tmp_path)
+    said = capsys.readouterr().out
+    assert f"  -> {out}  (complete: skipped)" in said
+    assert f"next: compressed vs full, problem by problem: make report results_dir={tmp_path}" in said

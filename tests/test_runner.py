@@ -95,7 +95,8 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, after):
     journal = run_folder(tmp_path / "killed", *args) / "generations.jsonl"
     assert len(journal.read_text().splitlines()) == after and not (journal.parent / "metrics.json").exists()
     done_before = after
-    evalkit(*args, results=tmp_path / "killed")
+    resumed = evalkit(*args, results=tmp_path / "killed")
+    assert f"(resuming: {after} of 18 generations journaled)" in resumed.stdout
     keys = [json.loads(x)["key"] for x in journal.read_text().splitlines()]
     assert len(keys) == len(set(keys)) == 18  # nothing duplicated, nothing lost
     a, b = (
