@@ -60,7 +60,7 @@ PAIRED = [
     "verdict",
 ]
 # the run's own figures, repeated on each of its rows (metrics.json: kv.*, generation.*)
-RUN_FIGURES = ["measured_compression", "kv_peak_bytes", "wall_time_s", "mean_output_tokens"]
+RUN_FIGURES = ["kv_kept_fraction", "kv_peak_bytes", "wall_time_s", "mean_output_tokens"]
 LONG_COLUMNS = (
     LABELS + ["headline", "metric", "subset", "score", "stderr", "n"] + RUN_FIGURES + ["git_sha"] + PAIRED
 )
@@ -68,7 +68,7 @@ LONG_COLUMNS = (
 POINTS = ("score", "stderr", "paired_diff", "ci_low", "ci_high", "margin", "full", "vs_full")
 DECIMALS = (
     {c: 2 for c in POINTS}
-    | {"p_value": 4, "p": 4, "measured_compression": 4}
+    | {"p_value": 4, "p": 4, "kv_kept_fraction": 4}
     | {
         "wall_time_s": 1,
         "mean_output_tokens": 1,
@@ -109,7 +109,7 @@ def long_rows(run: Run, pairing=None) -> list[dict]:
     m = run.metrics
     kv, gen = m.kv, m.generation
     base = labels(run) | {
-        "measured_compression": kv.get("compression_ratio"),
+        "kv_kept_fraction": kv.get("kept_fraction"),
         "kv_peak_bytes": kv.get("peak_bytes"),
         "wall_time_s": gen.get("wall_time_s"),
         "mean_output_tokens": gen.get("mean_output_tokens"),

@@ -50,7 +50,7 @@ class Identity(TypedDict):
 class KVRecord(TypedDict, total=False):
     """Measured over every generation; all None for a served model (the server keeps the cache)."""
 
-    compression_ratio: float | None  # mean kept / seen
+    kept_fraction: float | None  # mean kept / seen per request: 1 = nothing evicted, lower = more compressed
     mean_kept_entries: float | None
     peak_bytes: int | None
     peak_entries: int | None
@@ -148,6 +148,9 @@ class Metrics:
         for name in ("data", "kv", "generation", "provenance", "skipped"):
             if known.get(name) is None:
                 known[name] = [] if name == "skipped" else {}
+        kv = known["kv"]
+        if isinstance(kv, dict) and "compression_ratio" in kv and "kept_fraction" not in kv:  # its older name
+            known["kv"] = {("kept_fraction" if k == "compression_ratio" else k): v for k, v in kv.items()}
         return cls(**known, extra={k: v for k, v in obj.items() if k not in names})
 
 

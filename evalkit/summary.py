@@ -32,7 +32,7 @@ def kv_summary(gens: list[dict], model_config) -> dict:
     peak = max(gens, key=lambda g: g["kv_bytes"]) if gens else {}
     latent = getattr(model_config, "kv_lora_rank", None) is not None
     return {
-        "compression_ratio": _mean(g["kv_kept"] / g["kv_seen"] for g in gens if g["kv_seen"]),
+        "kept_fraction": _mean(g["kv_kept"] / g["kv_seen"] for g in gens if g["kv_seen"]),
         "mean_kept_entries": _mean(g["kv_kept"] for g in gens),
         "peak_bytes": peak.get("kv_bytes"),
         "peak_entries": peak.get("kv_slots"),
@@ -109,7 +109,8 @@ def print_table(m: Metrics) -> None:
         v = m.scores[k]
         print(f"  {k:<{width}}  {v['mean']:8.2f} ± {v['stderr']:6.2f}  (n={v['n']})")
     kv, gen = m.kv, m.generation
-    ratio = f"{kv['compression_ratio']:.3f}" if kv["compression_ratio"] is not None else "-"
+    kept = kv.get("kept_fraction")
+    ratio = f"{kept:.3f} ({1 / kept:.1f}x compression)" if kept else "-"
     cache = "not measured (a served model: the server keeps it)"
     if kv["peak_bytes"] is not None:
         cache = f"kept/seen {ratio}, peak {kv['peak_entries']} entries = {kv['peak_bytes']:,} bytes"

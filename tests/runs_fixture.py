@@ -97,7 +97,7 @@ def write_run(
         data={"source": "sample", "hash": data_hash, "stats": {}},
         scores=aggregate([r["scores"] for r in rows]),
         kv={
-            "compression_ratio": 1.0 if method == "full" else compression,
+            "kept_fraction": 1.0 if method == "full" else compression,
             "peak_bytes": 0,
             "peak_entries": 0,
             "peak_prompt_tokens": peak[0],

@@ -53,5 +53,5 @@ def test_cli_keeps_only_the_limit_warning_and_writes_kv_figures(tmp_path):
     results = json.loads(next(tmp_path.rglob("results_*.json")).read_text())
     ek = results["config"]["evalkit"]
     assert ek["method"]["name"] == "snapstream" and ek["method"]["budget"] == 64
-    assert ek["kv"]["peak_entries"] == 64 and 0 < ek["kv"]["compression_ratio"] < 0.1
+    assert ek["kv"]["peak_entries"] == 64 and 0 < ek["kv"]["kept_fraction"] < 0.1
     assert ek["generation"]["requests"] == 2

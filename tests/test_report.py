@@ -213,7 +213,7 @@ def test_memory_join_by_hand(tmp_path):
     assert snap.tp_h200 == 1 and snap.tp_sn40l == 1
     # memory-bound decode: tok/s = batch / (bytes read / bandwidth); at max batch the KV fills the same room
     assert 1 < snap.tok_s_gain_h200 < 2100 / 256 + 0.1
-    assert snap.measured_compression == 0.25
+    assert snap.kv_kept_fraction == 0.25
 
 
 # --- recommendations, missing cells, bad input ---------------------------------------------------------

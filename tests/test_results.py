@@ -182,3 +182,11 @@ def test_settings_changed_from_the_confs_name_the_folders(overrides, task, model
     assert out.parts[2] == task if not task.endswith("sourceh") else out.parts[2][: len(task)] == task
     if task.endswith("sourceh"):
         assert len(out.parts[2]) == len(task) + 8 and out.parts[2] != task
+
+
+def test_a_metrics_file_from_before_the_kept_fraction_name_reads_as_today():
+    from evalkit.metrics import Metrics
+
+    old = {"task": "ruler", "headline": "score", "model": {"name": "m"}, "method": {"name": "snapstream"}}
+    old |= {"scores": {"score": {"mean": 1.0, "stderr": 0.0, "n": 1}}, "kv": {"compression_ratio": 0.25}}
+    assert Metrics.from_json(old).kv == {"kept_fraction": 0.25}

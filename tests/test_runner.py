@@ -62,8 +62,8 @@ def test_run_writes_results_and_is_idempotent(tmp_path):
     gens = [json.loads(x)["stats"] for x in (out / "generations.jsonl").read_text().splitlines()]
     seen = [g["prompt_tokens"] + g["output_tokens"] - 1 for g in gens]
     assert [(g["kv_kept"], g["kv_seen"]) for g in gens] == [(64, n) for n in seen]
-    assert metrics["kv"]["compression_ratio"] == pytest.approx(sum(64 / n for n in seen) / 6)
-    assert metrics["kv"]["compression_ratio"] == pytest.approx(0.065129, abs=1e-6)
+    assert metrics["kv"]["kept_fraction"] == pytest.approx(sum(64 / n for n in seen) / 6)
+    assert metrics["kv"]["kept_fraction"] == pytest.approx(0.065129, abs=1e-6)
     assert metrics["data"]["source"].startswith("generated:ruler") and len(metrics["data"]["hash"]) == 64
     assert {"git_sha", "versions", "config", "created_at"} <= set(metrics["provenance"])
     assert set(metrics["scores"]) >= {"score", "score/1024", "score/niah_single_1"}

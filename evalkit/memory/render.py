@@ -93,7 +93,7 @@ def _sweep(rows: list[dict]) -> str:
             r["context"],
             _label(r),
             r["kv_entries"],
-            f"{r['compression_ratio']:.3f}",
+            f"{r['kept_fraction']:.3f}",
             _gib(r["kv_bytes_per_seq"]),
             _gib(r["kv_bytes_per_seq_socket"]),
             r["max_batch"],

@@ -72,7 +72,7 @@ def row(dep: Deployment, cfg: dict, context: int, method: str, budget: int | Non
         "method": method,
         "budget": None if method == "full" else budget,
         "kv_entries": entries,
-        "compression_ratio": entries / (context + decode),  # kept / seen
+        "kept_fraction": entries / (context + decode),  # kept / seen
         "kv_bytes_per_token": dep.model.kv.bytes_per_entry,
         "kv_bytes_per_seq": dep.model.kv.bytes_per_entry * entries,
         "kv_bytes_per_seq_socket": dep.kv_bytes_socket(entries),

@@ -106,14 +106,14 @@ def memory_row(
     spec = spec_of(full, deploy)
     entries = run_entries(comp.method, comp.budget, prompt, seen)
     per_entry = spec.kv.bytes_per_entry
-    kv = comp.metrics.get("kv") or {}
+    kv = comp.metrics.kv
     row = {
         "context_tokens": seen,
         "context_prompt_tokens": prompt,
         "context_basis": basis,
         "kv_dtype_modelled": deploy["kv_dtype"],
         "kv_peak_bytes_measured": kv.get("peak_bytes"),
-        "dtype_measured": comp.metrics["model"].get("dtype"),
+        "dtype_measured": comp.metrics.model.get("dtype"),
         "kv_entries": entries,
         "kv_entries_full": seen,
         "kv_bytes_seq": per_entry * entries,

@@ -49,7 +49,7 @@ def _cell_rows(p: Pairing, memory: dict) -> list[dict]:
         "full_run": p.full.rel,
         "only_compressed": len(p.only_compressed),
         "only_full": len(p.only_full),
-        "measured_compression": comp.metrics.kv.get("compression_ratio"),
+        "kv_kept_fraction": comp.metrics.kv.get("kept_fraction"),
     }
     return [
         {**base, "metric": key, "is_headline": key == comp.headline, **cell, **memory}

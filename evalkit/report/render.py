@@ -38,7 +38,7 @@ CSV_FIRST = GROUP + [
     "why",
     "n_needed",
     "n_more",
-    "measured_compression",
+    "kv_kept_fraction",
 ]
 
 
@@ -196,7 +196,7 @@ def _headline_table(rows: pd.DataFrame, min_problems: int) -> str:
             [
                 _config(r.method, r.settings),
                 int(r.budget),
-                _f(r.measured_compression, "{:.3f}"),
+                _f(r.kv_kept_fraction, "{:.3f}"),
                 r.n_paired,
                 f"{r.only_compressed}/{r.only_full}",
                 _f(r.full, "{:.2f}"),
@@ -243,7 +243,7 @@ def _memory_table(rows: pd.DataFrame, hw: list[str]) -> str:
             [
                 _config(r["method"], r["settings"]),
                 int(r["budget"]),
-                _f(r["measured_compression"], "{:.3f}"),
+                _f(r["kv_kept_fraction"], "{:.3f}"),
                 _f(r["kv_entries"], "{:.0f}"),
                 _mib(r["kv_bytes_seq"]),
                 _f(r["memory_saving"], "{:.1%}"),
