@@ -235,7 +235,7 @@ def run_bench(*args: str, env: dict | None = None) -> subprocess.CompletedProces
 
 
 def test_unknown_measurement_fails_before_the_model_loads(tmp_path):
-    # issue 15 item 8: `--only bogus` loaded the model, measured nothing, exited 0 and rewrote summary.md
+    # `--only bogus` once loaded the model, measured nothing, exited 0 and rewrote summary.md
     env = os.environ | {"EVALKIT_CACHE": str(tmp_path / "cache")}  # loading the model would convert into it
     proc = run_bench("--only", "decode,bogus", "--out", str(tmp_path / "out"), env=env)
     assert proc.returncode == 2

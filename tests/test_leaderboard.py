@@ -26,7 +26,7 @@ def read(results: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def test_method_settings_are_separate_rows_never_averaged(tmp_path):
-    """Issue 15.1: `BUDGET=128` and `BUDGET=128 method.recent=64` used to land in one cell as their mean."""
+    """`BUDGET=128` and `BUDGET=128 method.recent=64` used to land in one cell as their mean."""
     write_run(tmp_path, binary_rows(FULL), method="full", budget=None)
     write_run(tmp_path, binary_rows([1] * 30), budget=128)
     write_run(tmp_path, binary_rows([0] * 30), budget=128, settings={"recent": 64})
@@ -38,7 +38,7 @@ def test_method_settings_are_separate_rows_never_averaged(tmp_path):
 
 
 def test_task_versions_are_separate_rows_each_against_its_own_full(tmp_path):
-    """Issue 15.1: two `full` runs for one model and task put pandas Series text into the `full` cells."""
+    """Two `full` runs for one model and task put pandas Series text into the `full` cells."""
     write_run(tmp_path / "a", binary_rows(FULL), method="full", budget=None, task_version=1)
     write_run(tmp_path / "a", binary_rows(SNAP), budget=256, task_version=1)
     write_run(tmp_path / "b", binary_rows([0] * 30), method="full", budget=None, task_version=2)
@@ -87,7 +87,7 @@ def test_a_duplicate_configuration_refuses_the_pivot_instead_of_averaging(tmp_pa
 
 
 def test_bad_metrics_files_are_skipped_with_a_warning_naming_them(tmp_path, caplog):
-    """Issue 15.6: one truncated metrics.json stopped the whole leaderboard without naming the file."""
+    """One truncated metrics.json stopped the whole leaderboard without naming the file."""
     write_run(tmp_path, binary_rows(FULL), method="full", budget=None)
     write_run(tmp_path, binary_rows(SNAP), budget=256)
     bad = {
@@ -135,7 +135,7 @@ def test_paired_columns_come_from_the_report(tmp_path):
 
 
 def test_cli_help_prints_usage_and_writes_nothing(tmp_path):
-    """Issue 16: `python -m evalkit.leaderboard --help` created a folder named `--help`."""
+    """`python -m evalkit.leaderboard --help` created a folder named `--help`."""
     out = subprocess.run(
         [sys.executable, "-m", "evalkit.leaderboard", "--help"],
         cwd=tmp_path,

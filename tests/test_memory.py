@@ -516,7 +516,7 @@ def test_entry_point_unknown_flag_is_a_usage_error(tmp_path):
 @pytest.mark.parametrize(
     "override, field",
     [
-        # issue 15 item 7: each of these wrote a report (or a traceback) before
+        # each of these once wrote a report (or a traceback) before
         ("mtp_factor=-2", "mtp_factor must be a number >= 1"),
         ("mtp_factor=0", "mtp_factor must be a number >= 1"),
         ("kv_reserve_gib=-5", "kv_reserve_gib must be"),

@@ -47,7 +47,9 @@ def test_journal_sets_aside_invalid_lines_by_number_and_keeps_first_of_a_key(tmp
     lines = [
         json.dumps(rec("a", "first")),
         "[1, 2]",  # not an object
-        json.dumps({"key": "x", "text": "no doc_id"}),  # the crash of issue 15.5: a key and nothing else
+        json.dumps(
+            {"key": "x", "text": "no doc_id"}
+        ),  # a line that once crashed resume: a key and nothing else
         "{not json",  # corrupt in the middle of the file (not a torn last line)
         json.dumps(rec("b", doc_id="3")),  # a field of the wrong type
         json.dumps(rec("a", "second")),  # a duplicate key: the first one stands

@@ -562,7 +562,7 @@ def test_lm_eval_hook_scores_a_doc(tok, tmp_path):
     assert ruler.process_results(sample.to_doc(), [" " + " ".join(sample.answers)])["score/vt@1024"] == 100.0
 
 
-# --- RULER's own model templates (issue 12, item 5) ------------------------------------------------------
+# --- RULER's own model templates ----------------------------------------------------------------------
 # NVIDIA/RULER scripts/data/template.py, `Templates`, quoted verbatim.
 UPSTREAM_TEMPLATES = {
     'base': "{task_template}",

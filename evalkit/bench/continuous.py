@@ -1,4 +1,4 @@
-"""Continuous vs static batching on an AIME-like mix of output lengths (issue 14's target: continuous >= 1.5x
+"""Continuous vs static batching on an AIME-like mix of output lengths (the target: continuous >= 1.5x
 static tokens/s at batch 8).
 
 AIME generations are a few long ones among many shorter ones. Each request here forces its own length (no EOS)

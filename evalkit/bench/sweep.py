@@ -1,4 +1,4 @@
-"""A 4-budget sweep vs one run (issue 14's target: the sweep <= 1.3x the wall time of one run).
+"""A 4-budget sweep vs one run (the target: the sweep <= 1.3x the wall time of one run).
 
 Four ways through the same RULER samples, each in fresh results folders and in this process (the model loads
 once): one run at one budget (the yardstick), the four budgets as separate runs, one run with the budget list
