@@ -9,6 +9,7 @@ reader handles them in one place. The file is `json.dumps(to_json(), indent=2, s
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TypedDict
@@ -165,11 +166,26 @@ def _check(obj: dict) -> None:
         isinstance(v, dict) and "mean" in v for v in obj["scores"].values()
     ):
         raise ValueError("'scores' is not {key: {mean, stderr, n}}")
+    for key, v in obj["scores"].items():
+        for field_ in ("mean", "stderr"):
+            if field_ in v and v[field_] is not None and not _finite(v[field_]):
+                raise ValueError(f"scores[{key!r}].{field_} is {v[field_]!r}, not a finite number")
+    budget = obj.get("budget")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+        raise ValueError(f"budget is {budget!r}, not an integer or null")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def load(path: Path, strict: bool = True) -> Metrics:
     """A run's metrics.json. OSError, UnicodeDecodeError, json.JSONDecodeError or ValueError (see from_json)."""
-    return Metrics.from_json(json.loads(Path(path).read_text(encoding="utf-8")), strict=strict)
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except RecursionError:  # nested deeper than the parser goes: no file the runner writes
+        raise ValueError("nested too deeply to be a metrics.json") from None
+    return Metrics.from_json(obj, strict=strict)
 
 
 def write(path: Path, metrics: Metrics) -> None:

@@ -86,6 +86,11 @@ def test_a_duplicate_configuration_refuses_the_pivot_instead_of_averaging(tmp_pa
     assert wide["settings"].str.contains("run ").all()
 
 
+def _valid_but(change: dict) -> str:
+    m = {"task": "ruler", "headline": "score", "model": {"name": "smollm2_135m"}, "method": {"name": "x"}}
+    return json.dumps(m | {"scores": {"score": {"mean": 1.0, "stderr": 0.0, "n": 1}}} | change)
+
+
 def test_bad_metrics_files_are_skipped_with_a_warning_naming_them(tmp_path, caplog):
     """One truncated metrics.json stopped the whole leaderboard without naming the file."""
     write_run(tmp_path, binary_rows(FULL), method="full", budget=None)
@@ -94,6 +99,11 @@ def test_bad_metrics_files_are_skipped_with_a_warning_naming_them(tmp_path, capl
         "truncated": '{"task": "ruler", "model": {"na',
         "not_object": "[1, 2, 3]",
         "old_schema": json.dumps({"task": "ruler", "model": {"name": "m"}}),  # no method, no scores
+        # readable JSON, wrong values: each would crash a pivot or sort, or print as a score
+        "string_mean": _valid_but({"scores": {"score": {"mean": "90", "stderr": 1.0, "n": 3}}}),
+        "nan_mean": _valid_but({"scores": {"score": {"mean": float("nan"), "stderr": 1.0, "n": 3}}}),
+        "string_budget": _valid_but({"budget": "256"}),
+        "deep": "[" * 100_000 + "]" * 100_000,
     }
     for name, text in bad.items():
         folder = tmp_path / "runs" / "ruler" / "smollm2_135m" / "snapstream" / name
