@@ -16,6 +16,16 @@ class EvalkitError(Exception):
     """Bad input or state the user can fix; the message names the fix."""
 
 
+class OutputError(EvalkitError):
+    """An output that cannot be written (a read-only or full location): names the file and the reason."""
+
+    @classmethod
+    def of(cls, e: OSError) -> OutputError:
+        name = e.filename2 or e.filename  # os.replace: filename is the temp file, filename2 the output
+        where = f"{name}: " if name else ""
+        return cls(f"cannot write {where}{e.strerror or e} (give a writable results_dir, or free space)")
+
+
 def exit_with(program: str, error: EvalkitError) -> None:
     """The one way a command line reports an EvalkitError: one line on stderr, exit status 2."""
     print(f"{program}: error: {error}", file=sys.stderr)

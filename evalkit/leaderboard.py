@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from evalkit.errors import EvalkitError, exit_with
+from evalkit.errors import EvalkitError, OutputError, exit_with
 from evalkit.report import settings as report_settings
 from evalkit.report.build import pair_all
 from evalkit.report.runs import Run, load_runs
@@ -377,6 +377,8 @@ def main(argv: list[str] | None = None) -> None:
         long, wide, plots = build(results_dir)
     except EvalkitError as e:  # e.g. a bad conf/report.yaml: the message names the setting
         exit_with("python -m evalkit.leaderboard", e)
+    except OSError as e:  # the runs were read: what failed is writing the CSVs or plots
+        exit_with("python -m evalkit.leaderboard", OutputError.of(e))
     print(f"{len(long)} rows from {long['run'].nunique()} runs")
     if not wide.empty:
         show = [

@@ -99,6 +99,25 @@ def short_hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def check_writable(folder: Path) -> None:
+    """Fail now, not after the model and data loaded, when results cannot be written; leaves nothing behind."""
+    made, path = [], Path(folder).absolute()
+    try:
+        for parent in reversed([path, *path.parents]):
+            if not parent.exists():
+                parent.mkdir()
+                made.append(parent)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        from evalkit.config import ConfigError
+
+        raise ConfigError(f"results_dir: cannot write into {path} ({e.strerror or e})") from None
+    finally:
+        for d in reversed(made):
+            d.rmdir()
+
+
 def atomic_write(path: Path, text: str | bytes) -> None:
     """Write via a temp file in the same folder and rename: readers never see a half-written file, a failed
     write leaves no temp file behind, and every output gets the same mode (0644 under the usual umask)."""

@@ -17,7 +17,6 @@ import json
 import logging
 import re
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from evalkit.errors import EvalkitError, exit_with
 from evalkit.identity import check_folder, classify
 from evalkit.journal import Journal, request_keys
 from evalkit.kv.config import canonical, make_method, method_class
-from evalkit.results import RunLock, atomic_write, config_yaml, run_dir
+from evalkit.results import RunLock, atomic_write, check_writable, config_yaml, run_dir
 from evalkit.summary import announce, next_step, print_table, summarize
 from evalkit.task import DataError
 
@@ -177,23 +176,6 @@ def plans_for(cfg: DictConfig) -> list[Plan]:
         q = plan(OmegaConf.merge(cfg, {"method": {"budget": b}}))
         out.setdefault(q.out, q)  # `full` ignores budgets: one run
     return list(out.values())
-
-
-def check_writable(folder: Path) -> None:
-    """Fail now, not after the model and data loaded, when results cannot be written; leaves nothing behind."""
-    made, path = [], Path(folder).absolute()
-    try:
-        for parent in reversed([path, *path.parents]):
-            if not parent.exists():
-                parent.mkdir()
-                made.append(parent)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise ConfigError(f"results_dir: cannot write into {path} ({e.strerror or e})") from None
-    finally:
-        for d in reversed(made):
-            d.rmdir()
 
 
 # --- data and what each folder holds ---------------------------------------------------------------------

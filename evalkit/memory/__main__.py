@@ -8,6 +8,7 @@ traceback and nothing written. `--help` prints the usage and the commented setti
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 from hydra._internal.utils import get_args_parser  # Hydra's own flags, so `--cfg job` etc. keep working
@@ -16,8 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from evalkit.config import CONF_DIR, choices, compose
-from evalkit.errors import EvalkitError
+from evalkit.errors import EvalkitError, OutputError
 from evalkit.memory.report import check, write_report
+from evalkit.results import check_writable
 
 PROG = "python -m evalkit.memory"
 UNSUPPORTED = {  # Hydra flags that would run something other than this one report
@@ -60,7 +62,9 @@ def check_command_line(argv: list[str]) -> None:
     if args.hydra_help or args.info or args.shell_completion:
         return  # Hydra's own help and introspection: nothing of ours runs
     try:
-        check(OmegaConf.to_container(compose("memory", args.overrides), resolve=True))
+        cfg = OmegaConf.to_container(compose("memory", args.overrides), resolve=True)
+        check(cfg)
+        check_writable(Path(cfg["results_dir"]) / "memory")  # before Hydra makes that folder
     except (HydraException, OmegaConfBaseException) as e:
         # e.g. "Could not override 'nokey'..." or "Could not find 'hardware/nope'" + the available options
         fail(str(e).split("Config search path:")[0].strip())
@@ -75,6 +79,8 @@ def report(cfg: DictConfig) -> None:
     except EvalkitError as e:
         # Bad input is the user's to fix: the message names the field; a traceback would only bury it.
         fail(str(e))
+    except OSError as e:  # a read-only or full output location
+        fail(str(OutputError.of(e)))
     for path in paths.values():
         print(path)
 
