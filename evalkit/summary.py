@@ -131,6 +131,16 @@ def announce(plans, loaded, n_samples: int, missing: dict) -> None:
         f"evalkit: {cfg.task.name}: {n_samples} problems x {repeats} repeat{'s' * (repeats > 1)} "
         f"({loaded.source}; {load}) on {cfg.model.name}, method {plans[0].method.name}"
     )
+    if (
+        loaded.skipped
+    ):  # a malformed or duplicate row is reported, never dropped silently (also in metrics.json)
+        shown = "; ".join(f"{r.id}: {r.reason}" for r in loaded.skipped[:10])
+        more = (
+            f" (and {len(loaded.skipped) - 10} more: metrics.json lists all)"
+            if len(loaded.skipped) > 10
+            else ""
+        )
+        print(f"evalkit: {len(loaded.skipped)} row(s) of {loaded.source} skipped: {shown}{more}")
     total = n_samples * repeats
     for p in plans:
         state = {

@@ -408,3 +408,12 @@ def test_a_run_says_what_it_evaluates_where_it_lands_and_what_comes_next(tmp_pat
     said = capsys.readouterr().out
     assert f"  -> {out}  (complete: skipped)" in said
     assert f"next: compressed vs full, problem by problem: make report results_dir={tmp_path}" in said
+
+
+def test_skipped_rows_are_listed_when_the_run_starts(tmp_path, capsys):
+    rows = (ROOT / "tasks/aime24/data/sample.jsonl").read_text().splitlines()
+    data = tmp_path / "aime.jsonl"
+    data.write_text("\n".join([rows[0], '{"id": 99, "problem": "torn', *rows[1:2]]) + "\n")
+    run(*AIME, f"task.load.source={data}", results=tmp_path / "r")
+    said = capsys.readouterr().out
+    assert f"evalkit: 1 row(s) of local:{data} skipped: aime.jsonl:2: line 2 is not valid JSON" in said
