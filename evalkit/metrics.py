@@ -55,7 +55,8 @@ class KVRecord(TypedDict, total=False):
     mean_kept_entries: float | None
     peak_bytes: int | None
     peak_entries: int | None
-    peak_prompt_tokens: int | None  # of the request at the peak: the memory report predicts its entries
+    peak_prompt_tokens: int | None  # of the peak request (of equal bytes, the longest): the memory report
+    # predicts its entries from these lengths
     peak_seen_tokens: int | None
     evicted_generated_mean: float | None
     cache_layout: str | None  # "per_head" or "latent"
@@ -66,6 +67,7 @@ class GenerationRecord(TypedDict, total=False):
     tokens_generated: int
     mean_output_tokens: float | None
     mean_prompt_tokens: float | None
+    max_prompt_tokens: int | None  # the longest prompt (after any cut to the context)
     hit_limit: int
     truncated_prompts: int
     wall_time_s: float

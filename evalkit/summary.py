@@ -29,7 +29,9 @@ def kv_summary(gens: list[dict], model_config) -> dict:
     """Measured compression and memory over every generation of the run. A served model's cache lives in the
     server: its generations carry no KV statistics, and every figure here is then null (unmeasured), never 0."""
     gens = [g for g in gens if g.get("kv_bytes") is not None]
-    peak = max(gens, key=lambda g: g["kv_bytes"]) if gens else {}
+    # the peak request: most bytes, and of equal bytes (a fixed-size cache) the longest, so peak_prompt_tokens is
+    # the longest prompt the cache held at its peak, not whichever request came first
+    peak = max(gens, key=lambda g: (g["kv_bytes"], g["kv_seen"] or 0)) if gens else {}
     latent = getattr(model_config, "kv_lora_rank", None) is not None
     return {
         "kept_fraction": _mean(g["kv_kept"] / g["kv_seen"] for g in gens if g["kv_seen"]),
@@ -51,6 +53,7 @@ def generation_summary(gens: list[dict]) -> dict:
         "tokens_generated": tokens,
         "mean_output_tokens": _mean(g["output_tokens"] for g in gens),
         "mean_prompt_tokens": _mean(g["prompt_tokens"] for g in gens),
+        "max_prompt_tokens": max((g["prompt_tokens"] for g in gens), default=None),
         "hit_limit": sum(bool(g["hit_limit"]) for g in gens),
         "truncated_prompts": sum(bool(g.get("truncated")) for g in gens),
         "wall_time_s": round(sum(g["wall_s"] for g in gens), 3),
