@@ -127,7 +127,7 @@ def test_cot_answer_call_gets_the_reasoning_as_produced(tmp_path, tokenizer):
     """An R1 template ends the prompt in `<think>\n`: the scorers see it put back in front of the output
     (finish_text), but pred.py's `$COT$` is the completion itself: `response = output.strip()`,
     `.replace('$COT$', response)` (THUDM/LongBench@2e00731 pred.py)."""
-    from evalkit.lm import Prompt, finish_text, followup_prompt, sample_prompt
+    from evalkit.request import Prompt, finish_text, followup_prompt, sample_prompt
 
     tokenizer.chat_template = R1_CHAT
     sample = lb.load(source=_write([row()], tmp_path), mode="cot").samples[0]
