@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # GPU checks (CUDA): the bf16 equivalence tests with sdpa/flash kernels and the compiled decode with CUDA graphs
-# (tests/test_compile.py -m gpu), then the 32k-token speed check on random-weight models built from real configs
+# (tests/kv/test_compile.py -m gpu), then the 32k-token speed check on random-weight models built from real configs
 # (Llama-3.1-8B, DeepSeek-V3 MLA), eager vs compiled decode included. Writes results/bench/gpu_*.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 mkdir -p results/bench
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'gpu_check needs CUDA'; print(torch.cuda.get_device_name())"
-"$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_compile.py 2>&1 | tee results/bench/gpu_tests.log
+"$PY" -m pytest -m gpu -q -p no:cacheprovider tests/kv/test_gpu.py tests/kv/test_compile.py 2>&1 | tee results/bench/gpu_tests.log
 "$PY" scripts/gpu_bench.py --tokens "${TOKENS:-32768}" --out results/bench 2>&1 | tee results/bench/gpu_bench.log

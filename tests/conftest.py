@@ -75,7 +75,7 @@ def killed_run(args: list[str], results: Path, after: int) -> subprocess.Complet
 
 def planned_folder(results, *overrides: str) -> Path:
     """Where `python -m evalkit <overrides> results_dir=<results>` writes: the runner's own plan (the naming rule
-    itself is tested literally in tests/test_results.py)."""
+    itself is tested literally in tests/runner/test_results.py)."""
     import evalkit.run as runner
     from evalkit.config import compose
 

@@ -1,5 +1,5 @@
 """`python -m evalkit.demo`'s command line: usage, and every bad value refused before the model loads.
-The needle retrieval itself is tests/test_kv_needle.py's."""
+The needle retrieval itself is tests/kv/test_kv_needle.py's."""
 
 from __future__ import annotations
 

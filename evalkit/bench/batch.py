@@ -47,7 +47,9 @@ def run(ctx: Context) -> list[dict]:
 
 
 def note(rows: list[dict]) -> str:
-    return "Left-padded batches with per-row ring slots; outputs equal batch size 1 (tests/test_batched.py)."
+    return (
+        "Left-padded batches with per-row ring slots; outputs equal batch size 1 (tests/kv/test_batched.py)."
+    )
 
 
 MEASUREMENT = Measurement(

@@ -112,7 +112,7 @@ def note(rows: list[dict]) -> str:
         "less the refills' prefills; the queue's tail (its last long requests decoding with rows left empty) is "
         "idle time continuous batching cannot remove, and weighs less as the queue grows. "
         "Outputs identical between "
-        f"the modes: {cont['outputs_identical']} (and to batch size 1: tests/test_engine.py)."
+        f"the modes: {cont['outputs_identical']} (and to batch size 1: tests/kv/test_engine.py)."
     )
 
 

@@ -96,7 +96,7 @@ def note(rows: list[dict]) -> str:
         f"run: {verdict}. What the sweep adds to one run: three SnapKV selections per prompt from the replayed prefill, "
         "every budget's own output decoded (a budget whose answer runs longer keeps its row busy), a 4-row decode "
         "step that costs more than a 1-row one on a CPU, and scoring and writing four runs. Journaled texts equal across the sweep modes: see outputs_identical (and "
-        "tests/test_shared_prefill.py). Full bench: 2 samples of 3 niah tasks at 2k tokens (--quick: 1 sample "
+        "tests/kv/test_shared_prefill.py). Full bench: 2 samples of 3 niah tasks at 2k tokens (--quick: 1 sample "
         "of niah_single_1 at 1k)."
     )
 

@@ -5,7 +5,7 @@ prompt) is identical in every run: only the compression after it and the decode 
 records, per layer, the full K/V and the last `window` post-RoPE queries, plus the
 prefill's last-position logits; the other budgets' caches are compressed from that record by the same code
 path (`KVLayer.compress`) while the model's prefill forward is skipped. Decoding then proceeds as usual, so
-results are identical to separate runs by construction (tests/test_shared_prefill.py checks it).
+results are identical to separate runs by construction (tests/kv/test_shared_prefill.py checks it).
 """
 
 from __future__ import annotations

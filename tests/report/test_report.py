@@ -22,7 +22,7 @@ from evalkit.report.pairing import PairingError, pair, partner
 from evalkit.report.runs import RunError, load_runs
 from tests.runs_fixture import SMOL_CONFIG, binary_rows, sample_row, write_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def runs_by_rel(root: Path) -> dict:

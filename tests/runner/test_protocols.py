@@ -19,7 +19,7 @@ from evalkit.run import run as run_cfg
 from tasks.livecodebench import grade
 from tests.conftest import killed_run, planned_folder, the_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(*overrides, results):

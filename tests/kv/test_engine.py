@@ -13,7 +13,7 @@ from evalkit.kv import Full, SnapKV, SnapStream, StreamingLLM, generate
 from evalkit.kv.prefill import PrefillRecord
 from evalkit.request import generation_config
 from tests.conftest import tiny_model
-from tests.test_compile import Counting
+from tests.kv.test_compile import Counting
 
 METHODS = [
     Full(),

@@ -21,7 +21,7 @@ from evalkit.kv import select as kv_select
 from evalkit.kv.prefill import PrefillRecord, populate
 from tests.conftest import tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def published_scores(q, k, kernel, scaling, cache_heads):

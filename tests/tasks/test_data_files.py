@@ -7,8 +7,8 @@ import pytest
 
 from tasks.aime24 import aime24
 from tasks.longbench_v2 import longbench_v2 as lb
-from tests.test_aime24 import H4_ROW
-from tests.test_longbench_v2 import row
+from tests.tasks.test_aime24 import H4_ROW
+from tests.tasks.test_longbench_v2 import row
 
 
 def _aime_ids(path) -> list[str]:

@@ -12,7 +12,7 @@ from evalkit.kv import KVCache, SnapKV, SnapStream, StreamingLLM
 from evalkit.kv.prefill import PrefillRecord, shared_prefill
 from tests.conftest import the_run, tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def gen(model, ids, cache, sample):

@@ -15,7 +15,7 @@ from evalkit.config import choices, compose, group_config
 from evalkit.journal import LM_EVAL_PREFIX, task_id
 from tests.conftest import the_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # sampled (T=0.6): equal scores before and after the rename also mean equal per-request seeds
 AIME = [
     "model=tiny_llama",

@@ -15,7 +15,7 @@ import pytest
 from evalkit import leaderboard
 from tests.runs_fixture import binary_rows, sample_row, write_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FULL = [1] * 30
 SNAP = [1] * 27 + [0] * 3
 

@@ -25,7 +25,7 @@ from evalkit.config import ConfigError, compose
 from evalkit.journal import Journal
 from evalkit.served import ServedError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 AIME = ["task=aime24_greedy", "model.max_new_tokens=16"]
 
 

@@ -14,7 +14,7 @@ from evalkit.report.build import build
 from evalkit.report.render import markdown, write
 from tests.runs_fixture import binary_rows, sample_row, write_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PER_TOKEN = 23_040  # SmolLM2-135M, bf16: 2 x 30 layers x 3 KV heads x 64 x 2 bytes
 
 
@@ -86,7 +86,7 @@ def test_small_n_cis_are_marked_and_inconclusive_says_why(tmp_path):
 # --- the docs' excerpt ------------------------------------------------------------------------------------
 
 DOC = ROOT / "docs" / "report.md"
-START, END = "<!-- excerpt: tests/test_report_labels.py -->", "<!-- /excerpt -->"
+START, END = "<!-- excerpt: tests/report/test_report_labels.py -->", "<!-- /excerpt -->"
 
 
 def excerpt_runs(root: Path) -> None:

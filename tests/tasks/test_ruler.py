@@ -47,7 +47,7 @@ def make_tokenizer(chat_template: str = CHAT, specials=("<|im_start|>", "<|im_en
 # meta-llama/Llama-3.1-8B-Instruct tokenizer_config.json "chat_template" (the hub is out of reach in tests:
 # the copy public repositories carry). Rendering one user turn, it opens with a system block that holds
 # "Cutting Knowledge Date: December 2023" and "Today Date: 26 Jul 2024".
-LLAMA31_CHAT = (Path(__file__).parent / "fixtures" / "llama31_chat_template.jinja").read_text()
+LLAMA31_CHAT = (Path(__file__).parents[1] / "fixtures" / "llama31_chat_template.jinja").read_text()
 LLAMA_SPECIALS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
 

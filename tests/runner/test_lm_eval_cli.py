@@ -12,7 +12,7 @@ import pytest
 
 from evalkit.lm_eval_plugin import quiet
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tests.runs_fixture import binary_rows, write_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ from evalkit.kv import Full, KVCache, SnapKV, SnapStream, StaticKVCache, generat
 from evalkit.kv.generate import compile_config
 from evalkit.kv.prefill import PrefillRecord, shared_prefill
 from tests.conftest import tiny_model
-from tests.test_batched import METHODS, left_pad  # every method, ring layouts both
+from tests.kv.test_batched import METHODS, left_pad  # every method, ring layouts both
 
 IDS = [f"{m.name}-{getattr(m, 'spare_slots', '')}" for m in METHODS]
 

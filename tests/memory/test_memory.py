@@ -26,7 +26,7 @@ from evalkit.memory import (
 )
 from evalkit.memory.report import deployment, row
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # The fields the formulas read, from each model's config.json.
 LLAMA31_8B = dict(

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from evalkit.config import CONF_DIR
 from tests.conftest import the_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SWEEP = [
     "-m",
     "model=tiny_llama",

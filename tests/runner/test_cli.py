@@ -11,7 +11,7 @@ import pytest
 from evalkit.config import CONF_DIR, choices, compose
 from tests.conftest import killed_run, planned_folder
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model=tiny_llama", "task.load.n=1", "task.load.lengths=[1024]"]
 
 

@@ -28,7 +28,7 @@ import pytest
 from evalkit import sandbox
 from evalkit.sandbox import _boot, _host
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(code: str, stdin: str = "", timeout_s: float = 2.0, memory_mb: int = 512, **kw) -> sandbox.RunResult:

@@ -17,7 +17,7 @@ from evalkit.results import RunInUse, RunLock
 from evalkit.task import DataError
 from tests.conftest import planned_folder
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RULER = [
     "model=tiny_llama",
     "task.load.n=1",

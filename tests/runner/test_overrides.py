@@ -10,7 +10,7 @@ import pytest
 from evalkit.config import ConfigError
 from evalkit.overrides import check_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import torch
 
 from evalkit.kv import KVCache, SnapStream, generate
 from tests.conftest import tiny_model
-from tests.test_kv_equivalence import methods
+from tests.kv.test_kv_equivalence import methods
 
 pytestmark = [
     pytest.mark.gpu,
