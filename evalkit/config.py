@@ -32,7 +32,7 @@ def check_choice(group: str, name: str) -> None:
         raise ConfigError(f"unknown {group} {name!r}; valid choices: {', '.join(choices(group))}")
 
 
-def compose(config_name: str = "config", overrides: list[str] | None = None) -> DictConfig:
+def compose(config_name: str = "eval", overrides: list[str] | None = None) -> DictConfig:
     """The resolved config as `python -m evalkit <overrides>` would see it (single run)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=overrides or [])

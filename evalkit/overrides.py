@@ -60,5 +60,5 @@ _ABSENT = object()
 
 
 def _default_choice(group: str) -> str:
-    defaults = OmegaConf.load(CONF_DIR / "config.yaml").defaults
+    defaults = OmegaConf.load(CONF_DIR / "eval.yaml").defaults
     return next(d[group] for d in defaults if isinstance(d, DictConfig) and group in d)

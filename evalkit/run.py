@@ -362,7 +362,7 @@ def run(cfg: DictConfig) -> list[dict]:
     return all_metrics
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     # lm-eval warns per breakdown key ("no aggregation defined"): evalkit aggregates those itself
     logging.getLogger("lm_eval").setLevel(logging.ERROR)

@@ -15,7 +15,7 @@ MEASUREMENTS = {
     "prefill": "prefill",
     "decode": "decode",
     "fixed_kv": "fixed_kv",
-    "memory": "memory",
+    "memory": "rss",  # peak RSS per configuration (the simulated memory report is evalkit.memory)
     "steps": "steps",
     "profile": "profile_step",
     "batch": "batch",
@@ -89,7 +89,7 @@ def memory_child(ap: argparse.ArgumentParser, spec: str) -> None:
         length, budget = (int(x) for x in spec.split(":"))
     except ValueError:
         ap.error(f"--memory-child: expected LENGTH:BUDGET (integers), got {spec!r}")
-    from evalkit.bench.memory import memory_child as child
+    from evalkit.bench.rss import memory_child as child
 
     print(json.dumps(child(length, budget)))
 
