@@ -41,13 +41,14 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from evalkit.errors import EvalkitError
 from evalkit.sandbox import _host
 
 OUTPUT_LIMIT = 32 << 20  # bytes of stdout+stderr (and per event line) before the run is cut
 STATUSES = ("ok", "runtime_error", "memory", "timeout", "output_limit", "killed", "stopped", "sandbox_error")
 
 
-class SandboxError(RuntimeError):
+class SandboxError(EvalkitError, RuntimeError):
     """The sandbox itself failed or refused to run; never a property of the program."""
 
 
