@@ -33,7 +33,12 @@ def check_choice(group: str, name: str) -> None:
 
 
 def compose(config_name: str = "eval", overrides: list[str] | None = None) -> DictConfig:
-    """The resolved config as `python -m evalkit <overrides>` would see it (single run)."""
+    """The resolved config as `python -m evalkit <overrides>` would see it (single run). Inside a Hydra app
+    (`python -m evalkit`, whose search path is this same conf/) Hydra is initialized already: compose there."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return hydra_compose(config_name=config_name, overrides=overrides or [])
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=overrides or [])
 

@@ -128,7 +128,8 @@ def print_table(m: Metrics) -> None:
 def announce(plans, loaded, n_samples: int, missing: dict) -> None:
     """Before any model loads: what is evaluated, on what, and where it lands (and what each folder holds)."""
     cfg = plans[0].cfg
-    load = ", ".join(f"{k}={v}" for k, v in OmegaConf.to_container(cfg.task.load, resolve=True).items())
+    settings = OmegaConf.to_container(cfg.task.load, resolve=True).items()
+    load = ", ".join(f"{k}={v}" for k, v in settings if v is not None)
     repeats = int(cfg.task.repeats)
     print(
         f"evalkit: {cfg.task.name}: {n_samples} problems x {repeats} repeat{'s' * (repeats > 1)} "
