@@ -417,3 +417,29 @@ def test_skipped_rows_are_listed_when_the_run_starts(tmp_path, capsys):
     run(*AIME, f"task.load.source={data}", results=tmp_path / "r")
     said = capsys.readouterr().out
     assert f"evalkit: 1 row(s) of local:{data} skipped: aime.jsonl:2: line 2 is not valid JSON" in said
+
+
+def test_real_runner_output_pairs_in_the_report_across_batch_sizes(tmp_path):
+    """The runner's own metrics.json and samples.jsonl (not fixtures) pair through the report; a full run at
+    batch 2 pairs with a compressed run at batch 1 (outputs do not depend on the batch); a full run on other
+    data (another seed) is never its partner."""
+    from evalkit.report import settings
+    from evalkit.report.build import pair_all
+    from evalkit.report.runs import load_runs
+
+    run(*RULER, "method=full", "batch_size=2", results=tmp_path)
+    run(*RULER, "method.budget=64", results=tmp_path)
+    runs, notes = load_runs(tmp_path)
+    pairings, problems = pair_all(runs, settings(results_dir=str(tmp_path)))
+    assert not problems and not notes and len(pairings) == 1
+    (p,) = pairings
+    assert p.full.is_full and p.compressed.budget == 64 and not p.only_full and not p.only_compressed
+    assert p.cells["score"]["n_paired"] == 2
+    run(*RULER, "method=full", "seed=1", results=tmp_path / "other")  # another seed: other problems
+    (tmp_path / "runs").rename(tmp_path / "runs_a")
+    (tmp_path / "other" / "runs").rename(tmp_path / "runs")
+    for path in (tmp_path / "runs_a").glob("*/*/snapstream"):
+        path.rename(next((tmp_path / "runs").glob("*/*")) / "snapstream")
+    runs, _ = load_runs(tmp_path)
+    pairings, problems = pair_all(runs, settings(results_dir=str(tmp_path)))
+    assert not pairings and problems
