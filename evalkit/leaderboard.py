@@ -288,8 +288,11 @@ def _config(method: str, settings: str) -> str:
 
 
 def _model_title(rs: list[Run]) -> str:
-    m = rs[0].metrics.model
-    return f"{m['name']} ({m.get('dtype', '?')} weights; hardware not recorded by the run)"
+    m, hw = (
+        rs[0].metrics.model,
+        rs[0].metrics.provenance.get("hardware") or "hardware not recorded by the run",
+    )
+    return f"{m['name']} ({m.get('dtype', '?')} weights; {hw})"
 
 
 def plot(runs: list[Run], out_dir: Path) -> list[Path]:

@@ -198,6 +198,17 @@ def git_sha() -> str | None:
     return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+def hardware() -> str:
+    """Where this process computes: the GPUs torch sees, else the CPU and its cores (plots and tables name it)."""
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return f"CPU ({os.cpu_count()} cores, {platform.machine()})"
+
+
 def versions() -> dict[str, str]:
     out = {}
     for name in PACKAGES:

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from evalkit.identity import identity
 from evalkit.metrics import SCHEMA, Metrics
-from evalkit.results import git_sha, versions
+from evalkit.results import git_sha, hardware, versions
 from evalkit.sample import aggregate
 
 
@@ -91,6 +91,8 @@ def summarize(plan, loaded, rows: list[dict], model_config, context: int, journa
         batch_size=cfg.batch_size,
         provenance={
             "git_sha": git_sha(),
+            # a served model computes on its server, which says nothing about its hardware
+            "hardware": "the server's" if plan.spec.source_label().startswith("served:") else hardware(),
             "versions": versions(),
             "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "config": OmegaConf.to_container(cfg, resolve=True),

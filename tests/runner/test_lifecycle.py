@@ -435,6 +435,12 @@ def test_real_runner_output_pairs_in_the_report_across_batch_sizes(tmp_path):
     (p,) = pairings
     assert p.full.is_full and p.compressed.budget == 64 and not p.only_full and not p.only_compressed
     assert p.cells["score"]["n_paired"] == 2
+    import os
+
+    from evalkit.leaderboard import _model_title
+
+    hw = p.compressed.metrics.provenance["hardware"]  # where it computed, named in the plots' titles
+    assert hw.startswith(f"CPU ({os.cpu_count()} cores") and hw in _model_title([p.compressed])
     run(*RULER, "method=full", "seed=1", results=tmp_path / "other")  # another seed: other problems
     (tmp_path / "runs").rename(tmp_path / "runs_a")
     (tmp_path / "other" / "runs").rename(tmp_path / "runs")
