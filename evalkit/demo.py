@@ -80,7 +80,8 @@ def parse_args(argv: list[str] | None = None):
         ap.error(f"-n must be at least 1, got {args.n}")
     if args.length <= args.budget:
         ap.error(
-            f"--length ({args.length}) must exceed --budget ({args.budget}): a prompt that fits is not compressed"
+            f"--length ({args.length}) must exceed --budget ({args.budget}): a prompt that fits is not "
+            "compressed"
         )
     try:
         check_choice("model", args.model)

@@ -1,8 +1,9 @@
 """What a run is: which settings count for its generations and for its scoring, the hashes that tell two
-configurations apart, and what a run folder's state means for a new invocation (new / rescore / done / refuse).
+configurations apart, and what a run folder's state means for a new invocation (new / rescore / done /
+refuse).
 
-The runner records the hashes in metrics.json (`identity`); the report pairs runs on them and derives them with
-the same recipe for a metrics.json written before they were recorded (evalkit.report.runs).
+The runner records the hashes in metrics.json (`identity`); the report pairs runs on them and derives them
+with the same recipe for a metrics.json written before they were recorded (evalkit.report.runs).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from evalkit.results import short_hash  # noqa: F401  (the identities' hash; re-
 
 # Settings that never change a generation: where results live, how a task grades (the code sandbox's limits),
 # which score a table shows first, and how a served model is reached (its address, concurrency, retries: the
-# server's own identity is checked separately, evalkit.served). A change of the grading ones re-scores a finished
-# run from its journal.
+# server's own identity is checked separately, evalkit.served). A change of the grading ones re-scores a
+# finished run from its journal.
 NOT_GENERATION = (
     "results_dir",
     "batch_size",  # continuous batching decodes every request as it would alone (the engine's tests)
@@ -65,7 +66,7 @@ def generation_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(generation_settings(cfg)), sort_keys=True)
 
 
-# --- the hashes ----------------------------------------------------------------------------------------------
+# --- the hashes ---------------------------------------------------------------------------------------------
 def generation_fields(cfg: DictConfig | dict, task_version, data_hash) -> dict:
     """What the generation identity hashes: the generation settings but the method (model, task and its load,
     generation and repeats, limit, seed, batch size), the task version and the data hash."""
@@ -88,8 +89,8 @@ def scoring_fields(task_cfg: DictConfig | dict, scorer_version) -> dict:
 
 
 def hashes(cfg: DictConfig | dict, task_version, data_hash, scorer_version) -> dict:
-    """{generation, method, scoring} of a resolved config: two runs share a leaderboard cell or are paired only
-    when the identities that matter are equal."""
+    """{generation, method, scoring} of a resolved config: two runs share a leaderboard cell or are paired
+    only when the identities that matter are equal."""
     task = (cfg.get("task") if isinstance(cfg, dict) else cfg.task) or {}
     return {
         "generation": short_hash(generation_fields(cfg, task_version, data_hash)),
@@ -99,9 +100,10 @@ def hashes(cfg: DictConfig | dict, task_version, data_hash, scorer_version) -> d
 
 
 def scorer_code(module) -> str:
-    """A digest of the task package's Python source (tasks/<name>/*.py: the scorer, its graders and the sandboxed
-    driver). An edit that forgets to bump SCORER_VERSION still re-scores finished runs from their journals, never
-    keeps stale scores; an edit of the prompt code is then caught by the journal's prompt hashes."""
+    """A digest of the task package's Python source (tasks/<name>/*.py: the scorer, its graders and the
+    sandboxed driver). An edit that forgets to bump SCORER_VERSION still re-scores finished runs from their
+    journals, never keeps stale scores; an edit of the prompt code is then caught by the journal's prompt
+    hashes."""
     files = sorted(Path(module.__file__).resolve().parent.glob("*.py"))
     return short_hash({f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files})
 
@@ -121,7 +123,7 @@ def identity(plan, loaded) -> dict:
     }
 
 
-# --- what a run folder's state means -------------------------------------------------------------------------
+# --- what a run folder's state means ------------------------------------------------------------------------
 def check_folder(out: Path, cfg: DictConfig) -> None:
     """A folder holding a run of another configuration is refused, never mixed. Settings that only grade or
     score (`task.setup`, the headline) may change: the run is then re-scored from its journal."""
@@ -153,15 +155,16 @@ def differing(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 
 def _saved(path: Path) -> DictConfig:
-    """A run folder's config.yaml; one evalkit did not write (damaged, edited into garbage) is refused by name."""
+    """A run folder's config.yaml; one evalkit did not write (damaged, edited into garbage) is refused by
+    name."""
     from evalkit.config import ConfigError
 
     try:
         cfg = saved_config(path.read_text(encoding="utf-8"))
     except Exception as e:  # noqa: BLE001 (YAML, decoding and OmegaConf errors alike: the file is not ours)
         raise ConfigError(
-            f"{path} is not a config evalkit wrote ({type(e).__name__}); restore it, or delete the folder to redo "
-            "the run"
+            f"{path} is not a config evalkit wrote ({type(e).__name__}); restore it, or delete the folder to "
+            "redo the run"
         ) from None
     if not isinstance(cfg, DictConfig):
         raise ConfigError(
@@ -172,8 +175,8 @@ def _saved(path: Path) -> DictConfig:
 
 def classify(plan, loaded) -> str:
     """done (skip), rescore (metrics from another scorer or grading settings), rebuild (finished, but its
-    samples.jsonl is gone: scored again from the journal) or new (no metrics yet). Changed data under a finished
-    run is an error (DataError), never a skip."""
+    samples.jsonl is gone: scored again from the journal) or new (no metrics yet). Changed data under a
+    finished run is an error (DataError), never a skip."""
     from evalkit import metrics
     from evalkit.task import DataError
 
@@ -188,8 +191,8 @@ def classify(plan, loaded) -> str:
     if recorded is not None and recorded != loaded.data_hash:
         raise DataError(
             f"{plan.out} was scored on data {recorded[:12]}..., but {loaded.source} now hashes to "
-            f"{loaded.data_hash[:12]}...: its generations answer other prompts. Restore the data, or delete the "
-            "folder to run again."
+            f"{loaded.data_hash[:12]}...: its generations answer other prompts. Restore the data, or delete "
+            "the folder to run again."
         )
     if (old.identity or {}).get("scoring") != scoring_identity(plan):
         return "rescore"

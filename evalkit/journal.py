@@ -1,4 +1,5 @@
-"""The generation journal: one JSON line per finished generation, keyed by request, the resume point after a crash.
+"""The generation journal: one JSON line per finished generation, keyed by request, the resume point after a
+crash.
 
 This module owns everything about a journal line: its key (`request_key`: task/doc/request index/repeat), its
 fields (`RECORD_FIELDS`), the hash of the prompt it answers (`prompt_hash`), how an LM writes one
@@ -17,8 +18,8 @@ from pathlib import Path
 from evalkit.errors import EvalkitError
 from evalkit.results import atomic_write
 
-# evalkit's lm-eval tasks are registered as `evalkit_<task>` so that no name collides with a task or group lm-eval
-# ships (its `ruler` group, `aime24`, ...). Runs made before that rename used the bare names.
+# evalkit's lm-eval tasks are registered as `evalkit_<task>` so that no name collides with a task or group
+# lm-eval ships (its `ruler` group, `aime24`, ...). Runs made before that rename used the bare names.
 LM_EVAL_PREFIX = "evalkit_"
 
 # What every journal line must hold (`journal_record` writes it); anything else is set aside on load.
@@ -30,16 +31,17 @@ class JournalError(EvalkitError, RuntimeError):
 
 
 def task_id(lm_eval_task: str) -> str:
-    """evalkit's own name for an lm-eval task: the registered name without the `evalkit_` namespace. Journal keys,
-    sampling seeds and generation identities use it, so run folders made before the rename (journals keyed
-    `ruler/...`, configs with `lm_eval_task: ruler`) are skipped, re-scored and resumed as they were."""
+    """evalkit's own name for an lm-eval task: the registered name without the `evalkit_` namespace. Journal
+    keys, sampling seeds and generation identities use it, so run folders made before the rename (journals
+    keyed `ruler/...`, configs with `lm_eval_task: ruler`) are skipped, re-scored and resumed as they were."""
     return lm_eval_task.removeprefix(LM_EVAL_PREFIX)
 
 
-# --- keys ----------------------------------------------------------------------------------------------------
+# --- keys ---------------------------------------------------------------------------------------------------
 def request_key(task: str, doc_id: int, idx: int, repeat: int) -> str:
-    """The journal key of one lm-eval request (`idx` is lm-eval's request index within a doc: 0 for generation).
-    The task part is evalkit's name for it (`task_id`), whatever namespace lm-eval registers it under."""
+    """The journal key of one lm-eval request (`idx` is lm-eval's request index within a doc: 0 for
+    generation). The task part is evalkit's name for it (`task_id`), whatever namespace lm-eval registers it
+    under."""
     return f"{task_id(task)}/{doc_id}/{idx}/{repeat}"
 
 
@@ -48,7 +50,8 @@ def request_keys(task: str, n_docs: int, repeats: int) -> list[str]:
 
 
 def keyed(requests) -> list[str]:
-    """The journal key of each lm-eval request, in order (lm-eval repeats a request k times: repeat 0..k-1)."""
+    """The journal key of each lm-eval request, in order (lm-eval repeats a request k times: repeat
+    0..k-1)."""
     repeat, keys = Counter(), []
     for req in requests:
         base = (req.task_name, req.doc_id, req.idx)
@@ -57,7 +60,7 @@ def keyed(requests) -> list[str]:
     return keys
 
 
-# --- records -------------------------------------------------------------------------------------------------
+# --- records ------------------------------------------------------------------------------------------------
 def prompt_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -103,7 +106,7 @@ def journaled(journal, prompt) -> dict | None:
     return done
 
 
-# --- the file ------------------------------------------------------------------------------------------------
+# --- the file -----------------------------------------------------------------------------------------------
 NOT_UTF8, NOT_JSON = "not valid UTF-8", "not valid JSON"
 
 

@@ -244,7 +244,8 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def _set_labels(sets: dict[str, list[Run]]) -> dict[str, str]:
     """Each problem set named by what differs from the others (`task.load.n=1, n=6`), never by a hash alone:
-    run settings from the recorded config (method settings left out: those are the lines), else data/version."""
+    run settings from the recorded config (method settings left out: those are the lines), else
+    data/version."""
     first = {g: rs[0] for g, rs in sets.items()}
     flat = {g: _flat(r.config) for g, r in first.items()}
     keys = sorted({k for f in flat.values() for k in f if not k.startswith(("method.", "results_dir"))})
@@ -393,7 +394,8 @@ def main(argv: list[str] | None = None) -> None:
         ]
         print(wide[show].to_string(index=False, float_format=lambda v: f"{v:.2f}", na_rep="-"))
     print(
-        f"wrote {results_dir}/leaderboard.csv, leaderboard_wide.csv and {len(plots)} plot(s) in {results_dir}/plots"
+        f"wrote {results_dir}/leaderboard.csv, leaderboard_wide.csv and {len(plots)} plot(s) in "
+        f"{results_dir}/plots"
     )
 
 

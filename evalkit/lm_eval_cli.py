@@ -1,4 +1,5 @@
-"""`lm_eval --model evalkit`: evalkit's LM as lm-eval's CLI loads it (registered by evalkit/lm_eval_plugin.py).
+"""`lm_eval --model evalkit`: evalkit's LM as lm-eval's CLI loads it (registered by
+evalkit/lm_eval_plugin.py).
 
 The same generations as `evalkit.lm.EvalkitLM`; in addition it keeps each generation's statistics and hands
 lm-eval the run's KV and generation figures (as in metrics.json: `kv`, `generation`) through

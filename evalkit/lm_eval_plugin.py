@@ -20,8 +20,8 @@ TARGET = "lm_eval.api.registry"
 QUIET = [
     # breakdown keys (`score/<subset>`) are means over their subset, which is lm-eval's default
     ("lm_eval.evaluator_utils", "[evalkit_", "No aggregation function defined for metric"),
-    # a breakdown key scores only its subset's documents by design, and no evalkit task is in an lm-eval group:
-    # there is no group score to over-weight (`score` itself covers every document)
+    # a breakdown key scores only its subset's documents by design, and no evalkit task is in an lm-eval
+    # group: there is no group score to over-weight (`score` itself covers every document)
     ("lm_eval.evaluator_utils", "[evalkit_", "over-weighted in the group score"),
     # advice to use --metadata, which docs/lm-eval.md gives with evalkit's keys
     ("lm_eval.api.task", "evalkit_", "Custom kwargs can be passed to `--metadata`"),

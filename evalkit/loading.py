@@ -31,8 +31,8 @@ def _from_pretrained(spec: ModelSpec, source: str):
     config = model_config(spec, source)
     if type(config) not in AutoModelForCausalLM._model_mapping:
         raise ModelLoadError(
-            f"model {spec.name}: unsupported architecture {config.model_type!r} (no causal-LM class in transformers "
-            f"{_tf_version()}); evalkit needs a decoder that caches per-head K/V"
+            f"model {spec.name}: unsupported architecture {config.model_type!r} (no causal-LM class in "
+            f"transformers {_tf_version()}); evalkit needs a decoder that caches per-head K/V"
         )
     dtype = getattr(torch, spec.dtype)
     return AutoModelForCausalLM.from_pretrained(

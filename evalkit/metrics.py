@@ -2,8 +2,8 @@
 
 evalkit.summary builds a `Metrics` from a scored run and `write` stores it; the report, the leaderboard, the
 memory report and the runner's skip/rescore decision read it back with `load` / `Metrics.from_json`. Older
-files (before `identity`, `scorer_version`, the KV lengths, ...) load with those fields None or empty, so every
-reader handles them in one place. The file is `json.dumps(to_json(), indent=2, sort_keys=True)`.
+files (before `identity`, `scorer_version`, the KV lengths, ...) load with those fields None or empty, so
+every reader handles them in one place. The file is `json.dumps(to_json(), indent=2, sort_keys=True)`.
 """
 
 from __future__ import annotations
@@ -182,7 +182,8 @@ def _finite(x) -> bool:
 
 
 def load(path: Path, strict: bool = True) -> Metrics:
-    """A run's metrics.json. OSError, UnicodeDecodeError, json.JSONDecodeError or ValueError (see from_json)."""
+    """A run's metrics.json. OSError, UnicodeDecodeError, json.JSONDecodeError or ValueError (see
+    from_json)."""
     try:
         obj = json.loads(Path(path).read_text(encoding="utf-8"))
     except RecursionError:  # nested deeper than the parser goes: no file the runner writes

@@ -41,10 +41,12 @@ class ModelBackend(Protocol):
         """Refuse a conf that cannot run with this method, before any data loads (ConfigError)."""
 
     def make_lm(self, plans: list, context: int, load: Callable) -> Any:
-        """The lm-eval model generating the plans' journals; `load(spec)` loads weights (the runner's cache)."""
+        """The lm-eval model generating the plans' journals; `load(spec)` loads weights (the runner's
+        cache)."""
 
     def source_label(self) -> str:
-        """Where the weights came from, precisely enough to reload the same ones (metrics.json model.source)."""
+        """Where the weights came from, precisely enough to reload the same ones (metrics.json
+        model.source)."""
 
     def extra_metrics(self, out: Path) -> dict:
         """Fields this backend adds to a run's metrics.json."""
@@ -69,7 +71,7 @@ class ModelSpec:
     # None, or a task without that format: the tokenizer's chat template
     prompt_format: str | None = None
 
-    # --- ModelBackend: generation in this process ------------------------------------------------------------
+    # --- ModelBackend: generation in this process -----------------------------------------------------------
     def check(self, method_name: str) -> None:
         """Every method runs in process."""
 

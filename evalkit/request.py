@@ -1,7 +1,7 @@
 """The request layer both evalkit LMs share (EvalkitLM in process, evalkit.served's LM over HTTP): an lm-eval
-request rendered into a `Prompt` (chat template and prefill from the Sample), its follow-up call, its fit into the
-model context, its stop strings, new-token cap, sampling seed and decoding settings, and the decoded text as the
-scorer sees it. Both LMs see, and journal, exactly the same things.
+request rendered into a `Prompt` (chat template and prefill from the Sample), its follow-up call, its fit into
+the model context, its stop strings, new-token cap, sampling seed and decoding settings, and the decoded text
+as the scorer sees it. Both LMs see, and journal, exactly the same things.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ DOC_FIELDS = {"id", "task", "prompt", "answers", "max_new_tokens"}
 
 
 def sample_prompt(tokenizer, sample: Sample) -> str:
-    """The exact text the model is given for an evalkit sample (journaled by its hash, checked on re-scoring)."""
+    """The exact text the model is given for an evalkit sample (journaled by its hash, checked on
+    re-scoring)."""
     return render_sample(tokenizer, sample)
 
 
@@ -75,8 +76,9 @@ def new_tokens_cap(spec, n: int) -> int:
 
 
 def request_prompt(req, key: str, tokenizer, limit: int, cap) -> Prompt:
-    """The prompt of one request: evalkit docs are rendered from their Sample (chat template, prefill) and keep
-    their own `max_new_tokens` within `limit`; a plain lm-eval task's context is used as lm-eval rendered it."""
+    """The prompt of one request: evalkit docs are rendered from their Sample (chat template, prefill) and
+    keep their own `max_new_tokens` within `limit`; a plain lm-eval task's context is used as lm-eval rendered
+    it."""
     context, gen = req.args[0], dict(req.args[1])
     followup = gen.pop("evalkit_followup", None)
     limit = cap(int(gen.get("max_gen_toks", limit)))

@@ -2,9 +2,11 @@
 
 <results_dir>/runs/<task>/<model>/<method>/<budget>/
     config.yaml         the resolved config, written first: a rerun with another config is refused
-    generations.jsonl   one line per finished generation, flushed and fsynced (the resume journal, evalkit.journal)
+    generations.jsonl   one line per finished generation, flushed and fsynced (the resume journal,
+                        evalkit.journal)
     samples.jsonl       per sample: id, prompt hash, predictions, scores, generation stats (no contexts)
-    metrics.json        scores with breakdowns and stderr, KV and generation stats, provenance (evalkit.metrics)
+    metrics.json        scores with breakdowns and stderr, KV and generation stats, provenance
+                        (evalkit.metrics)
     server.json         a served model's server as it reported itself (evalkit.served; served runs only)
 """
 
@@ -34,9 +36,9 @@ def budget_tag(method_cfg: DictConfig, defaults: DictConfig) -> str:
     return tag
 
 
-# Task and model keys that name the conf rather than set it, or never change a generation (identity.NOT_GENERATION
-# holds the same grading/serving keys); the run settings that change what is generated (batch_size and compile
-# leave outputs equal, results_dir is where).
+# Task and model keys that name the conf rather than set it, or never change a generation
+# (identity.NOT_GENERATION holds the same grading/serving keys); the run settings that change what is
+# generated (batch_size and compile leave outputs equal, results_dir is where).
 NAMING_KEYS = {"name", "module", "lm_eval_task", "setup", "headline"}
 SERVING_KEYS = {"base_url", "num_concurrent", "max_retries", "timeout_s"}
 RUN_KEYS = ("limit", "seed")
@@ -54,7 +56,8 @@ def _leaves(node, prefix: str = "") -> dict:
 
 
 def _value(v) -> str:
-    """A setting's value as a folder-name part: lists joined by '+', anything not name-safe (a path) hashed."""
+    """A setting's value as a folder-name part: lists joined by '+', anything not name-safe (a path)
+    hashed."""
     if isinstance(v, list | tuple):
         return "+".join(_value(x) for x in v)
     text = "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
@@ -100,7 +103,8 @@ def short_hash(obj) -> str:
 
 
 def check_writable(folder: Path) -> None:
-    """Fail now, not after the model and data loaded, when results cannot be written; leaves nothing behind."""
+    """Fail now, not after the model and data loaded, when results cannot be written; leaves nothing
+    behind."""
     made, path = [], Path(folder).absolute()
     try:
         for parent in reversed([path, *path.parents]):

@@ -2,10 +2,10 @@
 
 Reads top to bottom: validate the config (no data, no model), check what each run folder already holds, load
 the data, then
-- generate: lm-eval drives the task's requests through the evalkit model; every finished generation is journaled
-  (`generations.jsonl`), so a killed run resumes where it stopped;
-- score: every sample is scored from the journal by the task's own scorer, and `samples.jsonl` + `metrics.json`
-  are written.
+- generate: lm-eval drives the task's requests through the evalkit model; every finished generation is
+  journaled (`generations.jsonl`), so a killed run resumes where it stopped;
+- score: every sample is scored from the journal by the task's own scorer, and `samples.jsonl` +
+  `metrics.json` are written.
 A finished run is skipped; a finished run whose scorer version or grading settings (`task.setup`) changed is
 re-scored from its journal without loading the model; one whose data changed is refused, never skipped.
 """
@@ -55,7 +55,8 @@ class Plan:
     spec: object
     task_module: object
     out: Path
-    # new (no metrics yet), rescore (metrics from another scorer), rebuild (samples.jsonl lost), done (skipped)
+    # new (no metrics yet), rescore (metrics from another scorer), rebuild (samples.jsonl lost), done
+    # (skipped)
     state: str = "new"
     journal: Journal | None = field(default=None, repr=False)
 
@@ -135,7 +136,8 @@ RUNNER_LOAD_KEYS = {"tokenizer", "model_context", "prompt_format"}  # what the r
 
 
 def check_load_keys(cfg: DictConfig, task_module) -> None:
-    """A `task.load.<key>` the task's `load()` does not name would be swallowed by its `**_`: refused instead."""
+    """A `task.load.<key>` the task's `load()` does not name would be swallowed by its `**_`: refused
+    instead."""
     import inspect
 
     params = inspect.signature(task_module.load).parameters.values()
@@ -155,8 +157,9 @@ def check_budget(plans: list[Plan], context: int) -> None:
         budget = getattr(p.method, "budget", None)
         if budget is not None and budget > context:
             raise ConfigError(
-                f"method.budget={budget} is above {p.cfg.model.name}'s context of {context} tokens: no prompt "
-                f"can fill it. Choose a budget below {context}, or METHOD=full for the uncompressed cache"
+                f"method.budget={budget} is above {p.cfg.model.name}'s context of {context} tokens: no "
+                f"prompt can fill it. Choose a budget below {context}, or METHOD=full for the uncompressed "
+                "cache"
             )
 
 
@@ -165,7 +168,8 @@ def _int(v) -> bool:
 
 
 def plans_for(cfg: DictConfig) -> list[Plan]:
-    """One plan per budget: `method.budget=[64,128,256]` evaluates several budgets with one prefill each prompt."""
+    """One plan per budget: `method.budget=[64,128,256]` evaluates several budgets with one prefill each
+    prompt."""
     budgets = cfg.method.get("budget")
     if not isinstance(budgets, ListConfig):
         return [plan(cfg)]
@@ -234,9 +238,9 @@ def get_model(spec):
 
 
 def generate(plans: list[Plan], load_kwargs: dict, context: int) -> None:
-    """Fill the journals: lm-eval builds the requests, the model's LM generates what is not journaled yet. Every
-    budget after the first replays the first's prefills. The LM is made (the weights loaded, or the server
-    checked) before any config.yaml is written."""
+    """Fill the journals: lm-eval builds the requests, the model's LM generates what is not journaled yet.
+    Every budget after the first replays the first's prefills. The LM is made (the weights loaded, or the
+    server checked) before any config.yaml is written."""
     p = plans[0]
     lm = p.spec.make_lm(
         plans, context, lambda spec: get_model(spec)
@@ -248,7 +252,8 @@ def generate(plans: list[Plan], load_kwargs: dict, context: int) -> None:
 
 def lm_eval_generate(p: Plan, lm, load_kwargs: dict) -> None:
     """Run the task's lm-eval YAML with the evalkit model in lm-eval's predict-only mode: lm-eval builds and
-    issues the requests (templates, generation settings, repeats); scoring happens afterwards, from the journal."""
+    issues the requests (templates, generation settings, repeats); scoring happens afterwards, from the
+    journal."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager, get_task_dict
 
@@ -307,8 +312,8 @@ def check_headline(p: Plan, rows: list[dict]) -> None:
         top = sorted(k for k in names if "/" not in k)  # breakdowns (`score/vt`) are valid too, not listed
         raise ConfigError(
             f"task.headline={p.cfg.task.headline!r} names no metric of task {p.cfg.task.name} (its metrics: "
-            f"{', '.join(top)}, and their '<metric>/<subset>' breakdowns). The generations are journaled: run "
-            "again with a valid task.headline to score"
+            f"{', '.join(top)}, and their '<metric>/<subset>' breakdowns). The generations are journaled: "
+            "run again with a valid task.headline to score"
         )
 
 

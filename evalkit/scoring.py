@@ -32,8 +32,8 @@ def score_journal(
         bad = next((r for r in recs if r.get("id") != sample.id or r["prompt_hash"] != want), None)
         if bad is not None:
             raise JournalError(
-                f"{journal.path}: request {bad['key']} was generated for another prompt than sample {sample.id}'s; "
-                "the task data or prompt changed since. Delete the run folder to start over."
+                f"{journal.path}: request {bad['key']} was generated for another prompt than sample "
+                f"{sample.id}'s; the task data or prompt changed since. Delete the run folder to start over."
             )
         preds.append(recs)
     scored = score_all(task_module, [([r["text"] for r in recs], s) for recs, s in zip(preds, samples)])

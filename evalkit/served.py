@@ -1,20 +1,22 @@
-"""Served baselines: a model behind an OpenAI-compatible server (vLLM, SGLang, TGI, `transformers serve`) scored on
-evalkit's tasks exactly as an in-process run is, through lm-eval's own API models.
+"""Served baselines: a model behind an OpenAI-compatible server (vLLM, SGLang, TGI, `transformers serve`)
+scored on evalkit's tasks exactly as an in-process run is, through lm-eval's own API models.
 
 `model=served` (conf/model/served.yaml) names the server (`base_url`, `model_id`), the API (`completions` or
 `chat`) and the served model's tokenizer. Nothing is loaded locally: prompts are rendered and counted with the
 tokenizer, requests go through lm-eval's `local-completions` / `local-chat-completions` machinery (its
-`num_concurrent` requests in flight, its retries), and every finished generation is journaled in the same record
-format as `EvalkitLM`'s (evalkit.request and evalkit.journal hold what both share), so resume, scoring, `metrics.json` and the leaderboard
-are the in-process ones. The server keeps its own full cache: the method is `full`, budget none, and no KV figure
-is measured (null in metrics.json, never 0).
+`num_concurrent` requests in flight, its retries), and every finished generation is journaled in the same
+record format as `EvalkitLM`'s (evalkit.request and evalkit.journal hold what both share), so resume, scoring,
+`metrics.json` and the leaderboard are the in-process ones. The server keeps its own full cache: the method is
+`full`, budget none, and no KV figure is measured (null in metrics.json, never 0).
 
-- completions: the request's prompt is `evalkit.request.sample_prompt(...)`, byte for byte what the in-process model
-  is given (chat template and assistant prefill rendered here). A server may still add special tokens when it
-  tokenizes (a second BOS with Llama-3 templates on vLLM: `extra_body: {add_special_tokens: false}`); the prompt
-  tokens it reports are journaled beside evalkit's count (`server_prompt_tokens`) so any such difference shows.
-- chat: the server renders its own chat template from [system, user] messages; an answer prefix (RULER's) becomes
-  a final assistant message continued with vLLM/SGLang's `continue_final_message` (servers without it refuse).
+- completions: the request's prompt is `evalkit.request.sample_prompt(...)`, byte for byte what the in-process
+  model is given (chat template and assistant prefill rendered here). A server may still add special tokens
+  when it tokenizes (a second BOS with Llama-3 templates on vLLM: `extra_body: {add_special_tokens: false}`);
+  the prompt tokens it reports are journaled beside evalkit's count (`server_prompt_tokens`) so any such
+  difference shows.
+- chat: the server renders its own chat template from [system, user] messages; an answer prefix (RULER's)
+  becomes a final assistant message continued with vLLM/SGLang's `continue_final_message` (servers without it
+  refuse).
 
 Before any request the server is asked what it serves (GET /models): an unreachable server, another model or a
 smaller context is an error before anything is journaled. What it reports about itself (its /models entry, its
@@ -85,7 +87,8 @@ class ServedSpec(ModelSpec):
         `tokenizer` to the files it names."""
         if method_name != "full":
             raise ConfigError(
-                f"a served model keeps the server's own full cache: use method=full (got method={method_name})"
+                "a served model keeps the server's own full cache: use method=full (got "
+                f"method={method_name})"
             )
         url = urlsplit(self.base_url or "")
         if url.scheme not in ("http", "https") or not url.netloc or url.query or url.fragment:
@@ -135,8 +138,9 @@ class ServedSpec(ModelSpec):
 
     # --- ModelBackend: generation by the server -------------------------------------------------------------
     def make_lm(self, plans: list, context: int, load) -> _Served:
-        """The served LM for the one plan (method full), after the server was checked and pinned to its folder;
-        nothing is loaded here (`load` is not called): prompts are rendered with the tokenizer alone."""
+        """The served LM for the one plan (method full), after the server was checked and pinned to its
+        folder; nothing is loaded here (`load` is not called): prompts are rendered with the tokenizer
+        alone."""
         from evalkit.task import get_tokenizer
 
         (p,) = plans
@@ -146,7 +150,10 @@ class ServedSpec(ModelSpec):
 
     def source_label(self) -> str:
         """The weights are the server's, only its tokenizer is here."""
-        return f"served:{self.base_url} (model {self.model_id or 'the one it serves'}; tokenizer {self.tokenizer})"
+        return (
+            f"served:{self.base_url} (model {self.model_id or 'the one it serves'}; tokenizer "
+            f"{self.tokenizer})"
+        )
 
     def extra_metrics(self, out: Path) -> dict:
         return {"served": provenance(out)}  # the server's URL, model id and what it said about itself
@@ -155,7 +162,8 @@ class ServedSpec(ModelSpec):
 # --- the server: what it serves, before any request ---------------------------------------------------------
 def server_report(spec: ServedSpec, context: int) -> dict:
     """GET /models (and the optional /version, /info): what the server serves and says about itself. Raises
-    ServedError when it is unreachable, serves another model, or serves a smaller context than evalkit assumes."""
+    ServedError when it is unreachable, serves another model, or serves a smaller context than evalkit
+    assumes."""
     models, header = _get(spec, f"{spec.root}/models", required=True)
     data = models.get("data") if isinstance(models, dict) else None
     if not isinstance(data, list):
@@ -220,15 +228,16 @@ def _auth() -> dict:
 
 
 def pin_server(out: Path, report: dict) -> None:
-    """Keep the report in the run folder; a run that resumes against another model or server build is refused."""
+    """Keep the report in the run folder; a run that resumes against another model or server build is
+    refused."""
     path = Path(out) / "server.json"
     if path.exists():
         before = json.loads(path.read_text())
         if identity(before) != identity(report):
             raise ServedError(
                 f"{out} was generated by {json.dumps(identity(before))}, the server now reports "
-                f"{json.dumps(identity(report))}: a run never mixes two servers' generations. Point model.base_url "
-                "at the same server, or delete the folder to run again."
+                f"{json.dumps(identity(report))}: a run never mixes two servers' generations. Point "
+                "model.base_url at the same server, or delete the folder to run again."
             )
         return
     write_json(path, report)
@@ -240,7 +249,7 @@ def provenance(out: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-# --- the lm-eval model -----------------------------------------------------------------------------------------
+# --- the lm-eval model --------------------------------------------------------------------------------------
 class _Transient(RuntimeError):
     """Worth another attempt (lm-eval's retry loop retries what amodel_call raises)."""
 
@@ -267,12 +276,13 @@ def _count(value) -> int | None:
 
 
 class _Served:
-    """What the completions and chat variants share: evalkit prompts, lm-eval's concurrency and retries, the journal.
+    """What the completions and chat variants share: evalkit prompts, lm-eval's concurrency and retries, the
+    journal.
 
-    `generate_until` replaces TemplateAPI's: each request is keyed and rendered exactly as EvalkitLM does it, the
-    ones not journaled yet go through lm-eval's `get_batched_requests` (an aiohttp session, `num_concurrent`
-    requests in flight, `max_retries` attempts with exponential back-off), and `amodel_call` journals each one as
-    it finishes, so a killed run loses nothing that finished."""
+    `generate_until` replaces TemplateAPI's: each request is keyed and rendered exactly as EvalkitLM does it,
+    the ones not journaled yet go through lm-eval's `get_batched_requests` (an aiohttp session,
+    `num_concurrent` requests in flight, `max_retries` attempts with exponential back-off), and `amodel_call`
+    journals each one as it finishes, so a killed run loses nothing that finished."""
 
     def __init__(self, spec: ServedSpec, tokenizer, context: int, journal, report: dict, seed: int = 0):
         endpoint = f"{spec.root}/chat/completions" if spec.api == "chat" else f"{spec.root}/completions"
@@ -307,8 +317,8 @@ class _Served:
                 asyncio.run(self._requests(todo))
             except FAILED as e:
                 raise ServedError(
-                    f"{self.base_url} failed after {self.max_retries} attempts ({e or type(e).__name__}); the "
-                    "finished requests are journaled: run the same command again to resume"
+                    f"{self.base_url} failed after {self.max_retries} attempts ({e or type(e).__name__}); "
+                    "the finished requests are journaled: run the same command again to resume"
                 ) from None
             if self._failed:
                 raise ServedError(
@@ -343,7 +353,8 @@ class _Served:
         return [text]
 
     async def _call(self, session, p: Prompt) -> tuple[str, dict]:
-        """POST one prompt: (text as the scorer sees it, the journal's stats: tokens, finish reason, latency)."""
+        """POST one prompt: (text as the scorer sees it, the journal's stats: tokens, finish reason,
+        latency)."""
         ids, truncated = fit_prompt(self.prompt_tokenizer, p, self.context)  # may lower p.max_new
         if truncated and self.spec.api == "chat":
             raise _Final(
@@ -386,8 +397,9 @@ class _Served:
         }
 
     def _payload(self, p: Prompt, text: str) -> dict:
-        """lm-eval's request body for this API with the task's decoding settings, as evalkit decodes in process:
-        greedy unless the task samples, top_p / top_k only when sampling, top_k only when set (servers differ)."""
+        """lm-eval's request body for this API with the task's decoding settings, as evalkit decodes in
+        process: greedy unless the task samples, top_p / top_k only when sampling, top_k only when set
+        (servers differ)."""
         decode = generation_config(p.gen, p.max_new, [0], 0)
         gen = {
             "max_gen_toks": p.max_new,
@@ -426,8 +438,8 @@ class _Served:
         model = choice.get("model")  # `transformers serve` appends the revision it resolved: "org/name@main"
         if model is not None and model not in self._names and str(model).rsplit("@", 1)[0] not in self._names:
             raise _Final(
-                f"the server answered as model {model!r}, not {self.model!r} (the model it served when the run "
-                f"started); nothing from it is journaled: {body[:200]!r}"
+                f"the server answered as model {model!r}, not {self.model!r} (the model it served when the "
+                f"run started); nothing from it is journaled: {body[:200]!r}"
             )
 
 
@@ -455,8 +467,9 @@ class ServedChat(_Served, LocalChatCompletion):
             TEMPLATE_KEY
         ):  # the task's own template: a chat template would wrap it again
             raise _Final(
-                f"task {s.task} renders its own prompt template (e.g. livecodebench_r1, RULER's meta-llama3); "
-                "the chat API would wrap it in the server's chat template: use model.api=completions"
+                f"task {s.task} renders its own prompt template (e.g. livecodebench_r1, RULER's "
+                "meta-llama3); the chat API would wrap it in the server's chat template: use "
+                "model.api=completions"
             )
         messages = [{"role": "system", "content": s.system}] if s.system else []
         messages.append({"role": "user", "content": s.prompt})

@@ -37,8 +37,8 @@ def resolve_source(spec: ModelSpec) -> str:
     """Folder or hub id to load weights (and tokenizer) from."""
     if spec.gguf is not None and spec.path:
         raise ModelLoadError(
-            f"model {spec.name}: both gguf (packaged weights) and path={spec.path!r} are set; to load the folder "
-            "set model.gguf=null too"
+            f"model {spec.name}: both gguf (packaged weights) and path={spec.path!r} are set; to load the "
+            "folder set model.gguf=null too"
         )
     if spec.gguf is not None:
         return str(embedded_folder(spec))

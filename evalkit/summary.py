@@ -27,10 +27,11 @@ def _mean(xs):
 
 def kv_summary(gens: list[dict], model_config) -> dict:
     """Measured compression and memory over every generation of the run. A served model's cache lives in the
-    server: its generations carry no KV statistics, and every figure here is then null (unmeasured), never 0."""
+    server: its generations carry no KV statistics, and every figure here is then null (unmeasured), never
+    0."""
     gens = [g for g in gens if g.get("kv_bytes") is not None]
-    # the peak request: most bytes, and of equal bytes (a fixed-size cache) the longest, so peak_prompt_tokens is
-    # the longest prompt the cache held at its peak, not whichever request came first
+    # the peak request: most bytes, and of equal bytes (a fixed-size cache) the longest, so peak_prompt_tokens
+    # is the longest prompt the cache held at its peak, not whichever request came first
     peak = max(gens, key=lambda g: (g["kv_bytes"], g["kv_seen"] or 0)) if gens else {}
     latent = getattr(model_config, "kv_lora_rank", None) is not None
     return {
@@ -126,7 +127,7 @@ def print_table(m: Metrics) -> None:
     )
 
 
-# --- what a run says before and after ------------------------------------------------------------------------
+# --- what a run says before and after -----------------------------------------------------------------------
 def announce(plans, loaded, n_samples: int, missing: dict) -> None:
     """Before any model loads: what is evaluated, on what, and where it lands (and what each folder holds)."""
     cfg = plans[0].cfg

@@ -1,4 +1,5 @@
-"""A Hydra callback that shows a sweep's progress: `[sweep 3/16 ####------] method=snapkv method.budget=[...]`.
+"""A Hydra callback that shows a sweep's progress: `[sweep 3/16 ####------] method=snapkv
+method.budget=[...]`.
 
 The job count is computed once at the start of the multirun, exactly as Hydra's basic sweeper expands the
 sweep (the config's `hydra.sweeper.params`, then the command line's overrides), and kept in the sweep folder

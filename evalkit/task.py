@@ -26,7 +26,8 @@ from evalkit.sample import Sample, Skipped
 
 
 class DataError(EvalkitError, RuntimeError):
-    """The task's data could not be loaded (missing file, bad source); the message says which and how to fix."""
+    """The task's data could not be loaded (missing file, bad source); the message says which and how to
+    fix."""
 
 
 @dataclass
@@ -47,8 +48,8 @@ def sha256_rows(rows: list[dict]) -> str:
 
 
 def data_file(source: str, sample: Path, repo: str, filename: str, revision: str) -> tuple[Path, str]:
-    """The file `source` names and its provenance tag: "sample" (the bundled file), "hub" (one pinned file of a
-    hub dataset repo, downloaded as is: no dataset loader script runs) or a local path."""
+    """The file `source` names and its provenance tag: "sample" (the bundled file), "hub" (one pinned file of
+    a hub dataset repo, downloaded as is: no dataset loader script runs) or a local path."""
     if source == "sample":
         return sample, "sample"
     if source == "hub":
@@ -66,8 +67,8 @@ def data_file(source: str, sample: Path, repo: str, filename: str, revision: str
 
 
 def decode(raw: bytes, path: Path) -> str:
-    """A data file's bytes as text: UTF-8, a leading byte-order mark dropped (editors on Windows write one; kept,
-    it would break the first row), anything else an error naming the file and the byte."""
+    """A data file's bytes as text: UTF-8, a leading byte-order mark dropped (editors on Windows write one;
+    kept, it would break the first row), anything else an error naming the file and the byte."""
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -87,8 +88,9 @@ def read_json(path: Path):
 
 
 def parse_rows(text: str, path: Path, array: bool) -> list[dict | Skipped]:
-    """Rows of a JSON array file (`array`) or of a JSON-lines file. A JSON-lines row that does not parse becomes
-    `Skipped("<file>:<line>", reason)`, reported with the others; a broken array file is an error naming it."""
+    """Rows of a JSON array file (`array`) or of a JSON-lines file. A JSON-lines row that does not parse
+    becomes `Skipped("<file>:<line>", reason)`, reported with the others; a broken array file is an error
+    naming it."""
     if array:
         try:
             return json.loads(text)
@@ -185,7 +187,8 @@ def lm_eval_hooks(name: str, load: Callable[..., Loaded], score: Callable[[list[
 
 
 def register_lm_eval_model() -> None:
-    """Register lm-eval's "evalkit" model before lm-eval looks it up, lazily (by name: a task knows no model)."""
+    """Register lm-eval's "evalkit" model before lm-eval looks it up, lazily (by name: a task knows no
+    model)."""
     from lm_eval.api.registry import model_registry
 
     if "evalkit" not in model_registry:

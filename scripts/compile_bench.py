@@ -1,9 +1,10 @@
-"""Compiled vs eager decode of any model conf: `evalkit.bench.compiled` (which `make bench --only compiled` runs on
-the embedded model at 2k-16k) on one prompt length, with the static mode too, rows written as JSON.
+"""Compiled vs eager decode of any model conf: `evalkit.bench.compiled` (which `make bench --only compiled`
+runs on the embedded model at 2k-16k) on one prompt length, with the static mode too, rows written as JSON.
 
-Three ways to run the same decode from the same prefill: `eager` (the default cache), `static` (the static cache,
-eager forward: what compilation starts from) and `compiled` (the static cache through transformers' compiled
-forward); tokens/s, token agreement, compile time and the memory floor of each (see evalkit/bench/compiled.py).
+Three ways to run the same decode from the same prefill: `eager` (the default cache), `static` (the static
+cache, eager forward: what compilation starts from) and `compiled` (the static cache through transformers'
+compiled forward); tokens/s, token agreement, compile time and the memory floor of each (see
+evalkit/bench/compiled.py).
 
     python scripts/compile_bench.py [--model smollm2_135m] [--tokens 4096] [--methods snapstream:512,full]
 """

@@ -68,8 +68,8 @@ def build(cfg: dict, layers: int | None, device: str, small: bool):
 
 @torch.inference_mode()
 def run(model, tokens: int, budgets, steps: int, device: str, compiled: bool) -> dict:
-    """evalkit.bench's interleaved prefill and decode measurements on random token ids; eager vs compiled decode
-    of SnapStream (the first budget) and the full cache."""
+    """evalkit.bench's interleaved prefill and decode measurements on random token ids; eager vs compiled
+    decode of SnapStream (the first budget) and the full cache."""
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)

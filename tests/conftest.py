@@ -26,8 +26,9 @@ TINY = {
     ),
     # MLA: transformers caches the latent (kv_lora_rank wide keys, rope-dim wide values, one head)
     "deepseek_v3": dict(
-        model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
         kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
         max_position_embeddings=1024,
@@ -74,8 +75,8 @@ def killed_run(args: list[str], results: Path, after: int) -> subprocess.Complet
 
 
 def planned_folder(results, *overrides: str) -> Path:
-    """Where `python -m evalkit <overrides> results_dir=<results>` writes: the runner's own plan (the naming rule
-    itself is tested literally in tests/runner/test_results.py)."""
+    """Where `python -m evalkit <overrides> results_dir=<results>` writes: the runner's own plan (the naming
+    rule itself is tested literally in tests/runner/test_results.py)."""
     import evalkit.run as runner
     from evalkit.config import compose
 
@@ -83,6 +84,7 @@ def planned_folder(results, *overrides: str) -> Path:
 
 
 def the_run(results, method: str, tag: str) -> Path:
-    """The one run folder of `method`/`tag` under `results` (task and model folder names carry their settings)."""
+    """The one run folder of `method`/`tag` under `results` (task and model folder names carry their
+    settings)."""
     (found,) = Path(results).glob(f"runs/*/*/{method}/{tag}")
     return found

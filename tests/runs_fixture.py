@@ -1,7 +1,7 @@
 """Fabricated run folders for the leaderboard and report tests, in the runner's format: `metrics.json` built
-through the runner's record (evalkit.metrics.Metrics) with the runner's identity recipe (evalkit.identity), and
-`samples.jsonl` rows with `repeat_scores` (one dict per repeat: the task's score of that prediction alone).
-No model runs.
+through the runner's record (evalkit.metrics.Metrics) with the runner's identity recipe (evalkit.identity),
+and `samples.jsonl` rows with `repeat_scores` (one dict per repeat: the task's score of that prediction
+alone). No model runs.
 """
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ def test_decode_speed_rows_carry_the_kv_each_step_reads(model, ids):
 
 
 def test_replicated_prefill_decodes_what_generate_decodes(model, ids):
-    """B rows populated from one recorded prefill are B real requests: greedy tokens equal evalkit.kv.generate's."""
+    """B rows populated from one recorded prefill are B real requests: greedy tokens equal
+    evalkit.kv.generate's."""
     record, first = recorded_prefill(model, ids)
     for method in (Full(), SnapStream(budget=64)):
         ref, _ = generate(model, ids, method, max_new_tokens=6, min_new_tokens=6, do_sample=False)
@@ -278,8 +279,9 @@ def script(name: str):
 
 
 def test_gpu_bench_script_runs_on_the_bench_functions(model, monkeypatch):
-    """scripts/gpu_bench.py imports decode_speed, prefill_overhead and compiled_decode from the package: its `run`
-    still works (on CPU here, the compiled part through dynamo's eager backend: inductor takes minutes here)."""
+    """scripts/gpu_bench.py imports decode_speed, prefill_overhead and compiled_decode from the package: its
+    `run` still works (on CPU here, the compiled part through dynamo's eager backend: inductor takes minutes
+    here)."""
     gpu_bench = script("gpu_bench")
     monkeypatch.setattr(
         gpu_bench, "compiled_decode", functools.partial(compiled.compiled_decode, backend="eager")
@@ -293,7 +295,8 @@ def test_gpu_bench_script_runs_on_the_bench_functions(model, monkeypatch):
 
 
 def test_compile_bench_script_writes_every_mode_of_each_method(tmp_path, monkeypatch, capsys):
-    """scripts/compile_bench.py, a thin CLI over evalkit.bench.compiled: a model conf, methods, the static mode too."""
+    """scripts/compile_bench.py, a thin CLI over evalkit.bench.compiled: a model conf, methods, the static
+    mode too."""
     compile_bench, out = script("compile_bench"), tmp_path / "c.json"
     argv = [
         "compile_bench.py",
@@ -332,8 +335,8 @@ def test_compile_bench_script_writes_every_mode_of_each_method(tmp_path, monkeyp
 
 
 def test_compiled_decode_rows_per_config_with_their_roofline(model, ids):
-    """Full and SnapStream 64 after 200 tokens, 2 rounds of 4 steps; compiled through dynamo's eager backend (one
-    graph, as inductor's, without minutes of C++ compilation)."""
+    """Full and SnapStream 64 after 200 tokens, 2 rounds of 4 steps; compiled through dynamo's eager backend
+    (one graph, as inductor's, without minutes of C++ compilation)."""
     compiled_rows = compiled.compiled_decode(
         model, ids, [Full(), SnapStream(budget=64)], steps=8, rounds=2, backend="eager", copy_bytes=2**20
     )
@@ -364,8 +367,8 @@ def test_compiled_decode_rows_per_config_with_their_roofline(model, ids):
         assert r["compiled_matmul_pct"] + r["compiled_attention_pct"] <= 100
         kernels_ms = (r["compiled_matmul_pct"] + r["compiled_attention_pct"]) / 100 * r["compiled_step_ms"]
         assert r["ceiling_x"] == pytest.approx(r["eager_step_ms"] / kernels_ms, rel=0.05)
-    # the default full cache grew a slot per forward (read: the mean); the static one reads its whole allocation:
-    # prompt + the first token + every forward + the profiled steps
+    # the default full cache grew a slot per forward (read: the mean); the static one reads its whole
+    # allocation: prompt + the first token + every forward + the profiled steps
     assert full["eager_kv_read_bytes"] == (200 + 200 + forwards) / 2 * SLOT_BYTES
     assert full["compiled_kv_read_bytes"] == (200 + 1 + forwards + compiled.PROFILED_STEPS) * SLOT_BYTES
     assert snap["eager_kv_read_bytes"] == snap["compiled_kv_read_bytes"] == 64 * SLOT_BYTES
@@ -405,8 +408,8 @@ def decode(eager_ms, compiled_ms, tokens=(1, 2, 3, 4), shares=None, **over) -> c
 
 
 def test_compiled_row_ratios_come_from_the_right_columns():
-    """Eager at 10 ms per step; compiled at 5 ms (median), 4 ms in its first quarter and 8 in its last; matmuls
-    40% and attention 10% of the compiled step; weights 3 GB, bandwidth 10 GB/s."""
+    """Eager at 10 ms per step; compiled at 5 ms (median), 4 ms in its first quarter and 8 in its last;
+    matmuls 40% and attention 10% of the compiled step; weights 3 GB, bandwidth 10 GB/s."""
     res = decode([10] * 8, [4, 4, 5, 5, 5, 5, 8, 8], shares={"matmul": 0.4, "attention": 0.1})
     row = compiled.row_for(4096, SnapStream(budget=512), res, weights=3 * 10**9, bandwidth=10e9)
     assert (row["config"], row["prompt_tokens"], row["steps"]) == ("snapstream_512", 4096, 8)
@@ -447,8 +450,9 @@ def target_row(speedup, pct, **over) -> dict:
 
 
 def test_summary_states_the_target_as_measured():
-    """The issue's target (compiled SnapStream-512 >= 1.5x eager at 4k, within 2x of the floor) is read off the
-    4096-token SnapStream-512 row: the measured figures, reached or not, and the profile's reason when not."""
+    """The issue's target (compiled SnapStream-512 >= 1.5x eager at 4k, within 2x of the floor) is read off
+    the 4096-token SnapStream-512 row: the measured figures, reached or not, and the profile's reason when
+    not."""
     other = target_row(3.0, 90.0, prompt_tokens=2048)  # another length: not the target's row
     missed = compiled.note([other, target_row(1.24, 158.3)])
     assert "measured 1.24x (NOT reached); the compiled step is at 158.3% of the floor (reached)" in missed
@@ -461,7 +465,7 @@ def test_summary_states_the_target_as_measured():
     assert "not measured by this run" in compiled.note([other])
 
 
-# --- LiveCodeBench grading, per problem vs pooled ----------------------------------------------------------------
+# --- LiveCodeBench grading, per problem vs pooled -----------------------------------------------------------
 
 
 @pytest.fixture
@@ -481,8 +485,8 @@ def sandbox_runs(monkeypatch):
 
 def test_grading_bench_grades_every_program_in_both_modes(sandbox_runs, monkeypatch):
     """k=2: each problem's reference and its first wrong solution. Both modes run all 20 programs (the memo is
-    emptied in between: a second mode served from it would time nothing) with the outcomes solutions.json says;
-    per problem grades one problem per call (as lm-eval's `score`), pooled all ten in one."""
+    emptied in between: a second mode served from it would time nothing) with the outcomes solutions.json
+    says; per problem grades one problem per call (as lm-eval's `score`), pooled all ten in one."""
     from evalkit import sandbox
     from tasks.livecodebench import grade
     from tasks.livecodebench import livecodebench as lcb

@@ -1,5 +1,5 @@
-"""The floor plan, read from the source (no module is imported): no import cycle among evalkit's and the tasks'
-modules, and no task reaches a compression method (`evalkit.kv`) through what it imports.
+"""The floor plan, read from the source (no module is imported): no import cycle among evalkit's and the
+tasks' modules, and no task reaches a compression method (`evalkit.kv`) through what it imports.
 
 Every import counts, also one inside a function (it runs when the function does), except those under
 `if TYPE_CHECKING:`. An import of a package counts as its `__init__`; `from pkg import name` counts as

@@ -49,9 +49,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--threads",
         type=int,
-        help="torch CPU threads (default: torch's, one per core). On a shared machine use 1: a batched matmul "
-        "whose threads wait on each other at every barrier slows down many times over when another process "
-        "takes a core, which distorts batch-size comparisons",
+        help="torch CPU threads (default: torch's, one per core). On a shared machine use 1: a batched "
+        "matmul whose threads wait on each other at every barrier slows down many times over when another "
+        "process takes a core, which distorts batch-size comparisons",
     )
     ap.add_argument("--memory-child", help=argparse.SUPPRESS)  # LENGTH:BUDGET, run by the memory measurement
     return ap

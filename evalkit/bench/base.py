@@ -20,8 +20,8 @@ def _all_rows(rows: list[dict]) -> list[dict]:
 
 @dataclass(frozen=True)
 class Measurement:
-    """One measurement: `--only <name>` selects it; its rows go to `<out>/<csv>`; `note(rows)` and `table(rows)`
-    give its section of summary.md (the note says the target and how to read the figures)."""
+    """One measurement: `--only <name>` selects it; its rows go to `<out>/<csv>`; `note(rows)` and
+    `table(rows)` give its section of summary.md (the note says the target and how to read the figures)."""
 
     name: str
     csv: str

@@ -10,7 +10,8 @@ from evalkit.kv import SnapStream, generate
 
 
 def bench_batch(model, tok, batches, new_tokens: int) -> list[dict]:
-    """The same requests at each batch size through `evalkit.kv.generate` (left padding, per-row ring slots)."""
+    """The same requests at each batch size through `evalkit.kv.generate` (left padding, per-row ring
+    slots)."""
     texts = aime_like_texts(tok, max(batches))
     rows = []
     for b in batches:

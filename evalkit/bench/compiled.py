@@ -1,5 +1,5 @@
-"""Compiled vs eager decode: tokens/s of the full cache and SnapStream 512 after 2k-16k-token prompts, eager (the
-default cache) against the static cache through transformers' compiled forward (`evalkit.kv.generate`'s
+"""Compiled vs eager decode: tokens/s of the full cache and SnapStream 512 after 2k-16k-token prompts, eager
+(the default cache) against the static cache through transformers' compiled forward (`evalkit.kv.generate`'s
 `compile=True` path: `StaticKVCache` + `compile_config`), with the roofline of each step.
 
 Per prompt, one recorded prefill fills every cache (same keys, same selection). Per method:
@@ -39,15 +39,16 @@ ALL_MODES = ("eager", "static", "compiled")
 MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
 ATTENTION = "scaled_dot_product"  # in the name of every sdpa kernel (flash, math, efficient, cudnn)
 PROFILED_STEPS = 3
-# the issue's target: compiled SnapStream-512 >= 1.5x eager tok/s at 4k, its step within 2x of the memory floor
+# the issue's target: compiled SnapStream-512 >= 1.5x eager tok/s at 4k, its step within 2x of the memory
+# floor
 TARGET = {"config": "snapstream_512", "prompt_tokens": 4096, "speedup": 1.5, "pct_of_floor": 200.0}
 
 
 @dataclass
 class Decode:
-    """What one (method, prompt) measurement gives: per mode the step times (decode order, warm-ups dropped), the
-    greedy tokens of every step and the KV bytes a step reads; the compilation; the compiled step's shares in
-    matmuls and attention (None off CPU)."""
+    """What one (method, prompt) measurement gives: per mode the step times (decode order, warm-ups dropped),
+    the greedy tokens of every step and the KV bytes a step reads; the compilation; the compiled step's shares
+    in matmuls and attention (None off CPU)."""
 
     times: dict[str, list[float]]
     tokens: dict[str, list[int]]
@@ -99,8 +100,8 @@ def compile_once(model, cache, first, backend: str) -> tuple:
 
 
 def kernel_shares(forward, cache, token, steps: int) -> dict[str, float] | None:
-    """Shares of the self CPU time of `steps` decode steps spent in matmuls and in attention. CPU only: on CUDA
-    the profiler's CPU side would time kernel launches, not the kernels."""
+    """Shares of the self CPU time of `steps` decode steps spent in matmuls and in attention. CPU only: on
+    CUDA the profiler's CPU side would time kernel launches, not the kernels."""
     if token.is_cuda:
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -118,7 +119,8 @@ def kernel_shares(forward, cache, token, steps: int) -> dict[str, float] | None:
 
 @torch.inference_mode()
 def measure(model, ids, record, first, method, steps: int, rounds: int, backend: str, modes) -> Decode:
-    """Every mode of `method` decoding from the recorded prefill `record` of `ids` (1, T), first token (1, 1)."""
+    """Every mode of `method` decoding from the recorded prefill `record` of `ids` (1, T), first token (1,
+    1)."""
     per_round = max(2, steps // rounds)
     new_tokens = (
         1 + rounds * per_round + PROFILED_STEPS
@@ -137,7 +139,8 @@ def measure(model, ids, record, first, method, steps: int, rounds: int, backend:
             times[mode] += ts[1:]  # the first step of a round warms the caches back up
             tokens[mode] += toks
     graphs = counters["stats"]["unique_graphs"] - graphs
-    # the default full cache grows a slot per step (read: the mean of its sizes); a static cache reads all its slots
+    # the default full cache grows a slot per step (read: the mean of its sizes); a static cache reads all its
+    # slots
     eager = (before + caches["eager"].stats()["bytes"]) / 2
     kv_read = {m: eager if m == "eager" else caches[m].stats()["reserved_bytes"] for m in modes}
     shares = kernel_shares(compiled, caches["compiled"], token["compiled"], PROFILED_STEPS)
@@ -248,8 +251,9 @@ def run(ctx: Context) -> list[dict]:
 def target_line(rows: list[dict]) -> str:
     """The issue's target, read off this run's rows: reached or not, with the measured figures and why."""
     want = (
-        f"compiled {TARGET['config']} decode >= {TARGET['speedup']}x eager tok/s at {TARGET['prompt_tokens']} "
-        f"prompt tokens, its step within {TARGET['pct_of_floor'] / 100:g}x of the memory floor"
+        f"compiled {TARGET['config']} decode >= {TARGET['speedup']}x eager tok/s at "
+        f"{TARGET['prompt_tokens']} prompt tokens, its step within {TARGET['pct_of_floor'] / 100:g}x of the "
+        "memory floor"
     )
     row = next(
         (
@@ -270,11 +274,12 @@ def target_line(rows: list[dict]) -> str:
     if not fast and row["compiled_matmul_pct"] is not None:
         mm, attn = row["compiled_matmul_pct"], row["compiled_attention_pct"]
         text += (
-            f" Why: the eager step is already at {row['eager_pct_of_floor']}% of the floor. In the compiled step, "
-            f"matmuls (the weights, streamed once per step) take {mm}% and attention {attn}% (torch.profiler, "
-            "this run): kernels a compiled step calls just as eager does. Compilation can only shrink the other "
-            f"{round(100 - mm - attn, 1)}% (norms, RoPE, masks, dispatch, fused into fewer kernels), so even a "
-            f"compiled step of matmuls and attention alone would be {row['ceiling_x']}x eager."
+            f" Why: the eager step is already at {row['eager_pct_of_floor']}% of the floor. In the compiled "
+            f"step, matmuls (the weights, streamed once per step) take {mm}% and attention {attn}% "
+            "(torch.profiler, this run): kernels a compiled step calls just as eager does. Compilation can "
+            f"only shrink the other {round(100 - mm - attn, 1)}% (norms, RoPE, masks, dispatch, fused into "
+            "fewer kernels), so even a compiled step of matmuls and attention alone would be "
+            f"{row['ceiling_x']}x eager."
         )
     return text
 
@@ -283,14 +288,15 @@ def note(rows: list[dict]) -> str:
     differ = [f"{r['config']} at {r['prompt_tokens']}" for r in rows if not r["tokens_equal"]]
     return " ".join(
         [
-            "Eager: the default cache, eager forward. Compiled: the static cache through transformers' compiled "
-            "forward (`evalkit.kv.generate(compile=True)`; inductor, one graph per (batch, slots) shape). Steps in "
-            "interleaved rounds, medians. `compile_s`: the first compiled call (dynamo reset before each row; "
-            "`compile_cache_hit`: inductor's on-disk cache served it); `graphs`: graphs compiled for the row (1 = "
-            "no recompilation while timed). `*_flatness`: median step of the last quarter of the steps / the "
-            "first quarter's. `compiled_matmul_pct`, `compiled_attention_pct`: shares of the compiled step "
-            "(torch.profiler, self CPU time); `ceiling_x`: eager step / the compiled step's time in those two. On a "
-            "shared machine use --threads 1: inductor's OpenMP kernels stall when another process takes a core.",
+            "Eager: the default cache, eager forward. Compiled: the static cache through transformers' "
+            "compiled forward (`evalkit.kv.generate(compile=True)`; inductor, one graph per (batch, slots) "
+            "shape). Steps in interleaved rounds, medians. `compile_s`: the first compiled call (dynamo "
+            "reset before each row; `compile_cache_hit`: inductor's on-disk cache served it); `graphs`: "
+            "graphs compiled for the row (1 = no recompilation while timed). `*_flatness`: median step of "
+            "the last quarter of the steps / the first quarter's. `compiled_matmul_pct`, "
+            "`compiled_attention_pct`: shares of the compiled step (torch.profiler, self CPU time); "
+            "`ceiling_x`: eager step / the compiled step's time in those two. On a shared machine use "
+            "--threads 1: inductor's OpenMP kernels stall when another process takes a core.",
             target_line(rows),
             "Tokens: compiled equals eager in every row."
             if not differ

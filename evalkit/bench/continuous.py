@@ -2,10 +2,10 @@
 static tokens/s at batch 8).
 
 AIME generations are a few long ones among many shorter ones. Each request here forces its own length (no EOS)
-drawn once, seeded, from a log-normal spread between 1/16 of the longest and the longest: a static batch decodes
-until its longest row ends while the finished rows idle; continuous batching refills a finished row at once.
-Both modes decode the same requests with the same engine (`evalkit.engine.Engine(continuous=...)`), so the
-ratio is the scheduling alone; the tokens of every request are compared between the modes.
+drawn once, seeded, from a log-normal spread between 1/16 of the longest and the longest: a static batch
+decodes until its longest row ends while the finished rows idle; continuous batching refills a finished row at
+once. Both modes decode the same requests with the same engine (`evalkit.engine.Engine(continuous=...)`), so
+the ratio is the scheduling alone; the tokens of every request are compared between the modes.
 """
 
 from __future__ import annotations
@@ -105,13 +105,13 @@ def note(rows: list[dict]) -> str:
         return "No continuous row."
     verdict = "met" if cont["gain_vs_static"] >= 1.5 else "NOT met"
     return (
-        f"SnapStream 256, batch {cont['rows']}, {cont['requests']} requests, forced lengths (log-normal, median "
-        f"{cont['median_length']}, longest {cont['longest']}), greedy. Target continuous >= 1.5x static: "
-        f"{verdict} ({cont['gain_vs_static']}x; idle rows {cont['idle_row_fraction']:.0%} continuous vs static's "
-        "in its row). Static rows still compute while idle, so the gain is about the ratio of decode steps, "
-        "less the refills' prefills; the queue's tail (its last long requests decoding with rows left empty) is "
-        "idle time continuous batching cannot remove, and weighs less as the queue grows. "
-        "Outputs identical between "
+        f"SnapStream 256, batch {cont['rows']}, {cont['requests']} requests, forced lengths (log-normal, "
+        f"median {cont['median_length']}, longest {cont['longest']}), greedy. Target continuous >= 1.5x "
+        f"static: {verdict} ({cont['gain_vs_static']}x; idle rows {cont['idle_row_fraction']:.0%} "
+        "continuous vs static's in its row). Static rows still compute while idle, so the gain is about the "
+        "ratio of decode steps, less the refills' prefills; the queue's tail (its last long requests "
+        "decoding with rows left empty) is idle time continuous batching cannot remove, and weighs less as "
+        "the queue grows. Outputs identical between "
         f"the modes: {cont['outputs_identical']} (and to batch size 1: tests/kv/test_engine.py)."
     )
 

@@ -160,19 +160,20 @@ def run(ctx: Context) -> list[dict]:
 def note(rows: list[dict]) -> str:
     full = rows[0]
     lines = [
-        f"KV budget {full['kv_budget_mib']:g} MiB, {full['prompt_tokens']}-token prompt. `batch`: the largest "
-        "batch whose KV (slots after decoding x bytes per slot, all layers) fits, from evalkit.memory; "
-        "`max_batch_measured`: the budget // one real row's bytes after decoding (they must agree). "
-        "`kv_reserved_bytes` is the allocation (the full cache grows geometrically: spare slots). `attn_ms`: "
-        "mean time per step in attention (sdpa over the cache, all layers), the part the KV size drives. "
-        "Target: SnapStream tok/s >= 4x the full cache's (paper: up to 4.3x at 4x compression).",
+        f"KV budget {full['kv_budget_mib']:g} MiB, {full['prompt_tokens']}-token prompt. `batch`: the "
+        "largest batch whose KV (slots after decoding x bytes per slot, all layers) fits, from "
+        "evalkit.memory; `max_batch_measured`: the budget // one real row's bytes after decoding (they must "
+        "agree). `kv_reserved_bytes` is the allocation (the full cache grows geometrically: spare slots). "
+        "`attn_ms`: mean time per step in attention (sdpa over the cache, all layers), the part the KV size "
+        "drives. Target: SnapStream tok/s >= 4x the full cache's (paper: up to 4.3x at 4x compression).",
     ]
     for r in rows[1:]:
         lines.append(
             f"{r['config']} x{r['batch']} vs full x{full['batch']}: measured {r['gain_vs_full']}x, predicted "
             f"{r['predicted_gain']}x (evalkit.memory at the measured bandwidth); step at "
-            f"{r['step_pct_of_floor']}% of its roofline floor, full at {full['step_pct_of_floor']}%; attention "
-            f"{r['attn_ms']:.1f} of {r['step_ms']:.1f} ms per step (full: {full['attn_ms']:.1f} of {full['step_ms']:.1f})."
+            f"{r['step_pct_of_floor']}% of its roofline floor, full at {full['step_pct_of_floor']}%; "
+            f"attention {r['attn_ms']:.1f} of {r['step_ms']:.1f} ms per step (full: {full['attn_ms']:.1f} of "
+            f"{full['step_ms']:.1f})."
         )
     return " ".join(lines) + " " + roofline_note()
 

@@ -22,8 +22,8 @@ MODES = ("per_problem", "pooled")
 
 
 def sample_predictions(k: int) -> list[tuple[list[str], lcb.Sample]]:
-    """k distinct predictions per bundled problem: its reference and wrong solutions (timeouts included), cycled,
-    each copy made distinct by a comment so that the grading memo cannot merge them."""
+    """k distinct predictions per bundled problem: its reference and wrong solutions (timeouts included),
+    cycled, each copy made distinct by a comment so that the grading memo cannot merge them."""
     if k < 1:
         raise ValueError(f"grading bench: k must be a positive integer, got {k!r}")
     sols = json.loads((lcb.SAMPLE.parent / "solutions.json").read_text())
@@ -94,7 +94,8 @@ def grading_bench(
 
 def run(ctx: Context) -> list[dict]:
     cores = os.cpu_count() or 1
-    # workers=1 is the control (both modes grade one program at a time); upstream's 6 s per test in the full bench
+    # workers=1 is the control (both modes grade one program at a time); upstream's 6 s per test in the full
+    # bench
     cases = ctx.size([(1, cores), (2, cores)], sorted({(1, 1), (1, cores), (4, cores), (8, cores)}))
     return [grading_bench(k, w, timeout_s=ctx.size(1.0, 6.0)) for k, w in cases]
 

@@ -83,9 +83,9 @@ class Bandwidth:
 
 def roofline_note() -> str:
     return (
-        "Roofline: `floor_ms` = (weights + KV bytes the step reads) / the memory bandwidth measured in the same "
-        "run (median of large tensor copies, 1 GiB; 256 MiB with --quick; read + write counted: `bandwidth_gb_s`); `step_pct_of_floor` = the "
-        "measured step as a % of that floor. Weights: every parameter tensor once (tied embedding once); KV: the "
-        "K and V of every slot attention reads, all layers, heads and rows (mean over the measured steps); "
-        "activations and logits are not counted."
+        "Roofline: `floor_ms` = (weights + KV bytes the step reads) / the memory bandwidth measured in the "
+        "same run (median of large tensor copies, 1 GiB; 256 MiB with --quick; read + write counted: "
+        "`bandwidth_gb_s`); `step_pct_of_floor` = the measured step as a % of that floor. Weights: every "
+        "parameter tensor once (tied embedding once); KV: the K and V of every slot attention reads, all "
+        "layers, heads and rows (mean over the measured steps); activations and logits are not counted."
     )

@@ -83,9 +83,9 @@ def run(ctx: Context) -> list[dict]:
 
 def note(rows: list[dict]) -> str:
     return (
-        "Each configuration in its own process (model loaded, one prefill, 16 decode steps). Resident memory: "
-        "the model after one tiny forward (all weight pages touched), the peak during prefill (with the "
-        "activations of one full-length forward), live after prefill (freed activations handed back with "
+        "Each configuration in its own process (model loaded, one prefill, 16 decode steps). Resident "
+        "memory: the model after one tiny forward (all weight pages touched), the peak during prefill (with "
+        "the activations of one full-length forward), live after prefill (freed activations handed back with "
         "malloc_trim: weights + cache), the peak during decode. `live_minus_model_mib` is what the cache "
         "costs in RSS; compare it with `cache_reserved_bytes`."
     )

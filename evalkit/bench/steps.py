@@ -1,4 +1,5 @@
-"""Per-step decode time over hundreds of steps: flat for the ring, growing for the full cache (plus a plot)."""
+"""Per-step decode time over hundreds of steps: flat for the ring, growing for the full cache (plus a
+plot)."""
 
 from __future__ import annotations
 
@@ -93,9 +94,10 @@ def run(ctx: Context) -> list[dict]:
 def note(rows: list[dict]) -> str:
     steps = max(r["step"] for r in rows) + 1
     return (
-        f"{steps} steps per configuration after a 4096-token prompt (1024 with --quick). Target: flat for the ring (slope ~0), growing for full (its cache grows one entry per step). On 2 CPU "
-        "cores the model's weights dominate the step and machine noise is +-20 ms, so the cache-driven part "
-        "is also timed alone (attn_ms). Plot: `decode_steps.png`."
+        f"{steps} steps per configuration after a 4096-token prompt (1024 with --quick). Target: flat for "
+        "the ring (slope ~0), growing for full (its cache grows one entry per step). On 2 CPU cores the "
+        "model's weights dominate the step and machine noise is +-20 ms, so the cache-driven part is also "
+        "timed alone (attn_ms). Plot: `decode_steps.png`."
     )
 
 

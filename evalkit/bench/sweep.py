@@ -3,8 +3,8 @@
 Four ways through the same RULER samples, each in fresh results folders and in this process (the model loads
 once): one run at one budget (the yardstick), the four budgets as separate runs, one run with the budget list
 (`method.budget=[...]`: one prefill per prompt, replayed for the other budgets) decoding the budgets one after
-another, and the same with the budgets decoded as rows of one batch (evalkit's default). The journaled texts of
-every budget are compared across the three sweep modes.
+another, and the same with the budgets decoded as rows of one batch (evalkit's default). The journaled texts
+of every budget are compared across the three sweep modes.
 """
 
 from __future__ import annotations
@@ -91,13 +91,14 @@ def note(rows: list[dict]) -> str:
         f"{'met' if best['x_one_run'] <= 1.3 else 'NOT met'} ({best['x_one_run']}x)" if best else "no row"
     )
     return (
-        f"SnapStream at budgets {BUDGETS} (one run: the middle budget, {BUDGETS[len(BUDGETS) // 2]}); wall time "
-        f"of whole runs (load data, generate, score, write), one model load. Target 4-budget sweep <= 1.3x one "
-        f"run: {verdict}. What the sweep adds to one run: three SnapKV selections per prompt from the replayed prefill, "
-        "every budget's own output decoded (a budget whose answer runs longer keeps its row busy), a 4-row decode "
-        "step that costs more than a 1-row one on a CPU, and scoring and writing four runs. Journaled texts equal across the sweep modes: see outputs_identical (and "
-        "tests/kv/test_shared_prefill.py). Full bench: 2 samples of 3 niah tasks at 2k tokens (--quick: 1 sample "
-        "of niah_single_1 at 1k)."
+        f"SnapStream at budgets {BUDGETS} (one run: the middle budget, {BUDGETS[len(BUDGETS) // 2]}); wall "
+        "time of whole runs (load data, generate, score, write), one model load. Target 4-budget sweep <= "
+        f"1.3x one run: {verdict}. What the sweep adds to one run: three SnapKV selections per prompt from "
+        "the replayed prefill, every budget's own output decoded (a budget whose answer runs longer keeps "
+        "its row busy), a 4-row decode step that costs more than a 1-row one on a CPU, and scoring and "
+        "writing four runs. Journaled texts equal across the sweep modes: see outputs_identical (and "
+        "tests/kv/test_shared_prefill.py). Full bench: 2 samples of 3 niah tasks at 2k tokens (--quick: 1 "
+        "sample of niah_single_1 at 1k)."
     )
 
 

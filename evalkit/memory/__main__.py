@@ -34,8 +34,8 @@ UNSUPPORTED = {  # Hydra flags that would run something other than this one repo
 def usage() -> str:
     return (
         f"usage: {PROG} [--help] [--cfg {{job,hydra,all}}] [KEY=VALUE ...]\n\n"
-        "The simulated accelerator memory report (KV bytes, placement, max batch, decode tok/s, the SnapStream\n"
-        "Table 5 check) into <results_dir>/memory/{report.csv,report.md,*.png}.\n"
+        "The simulated accelerator memory report (KV bytes, placement, max batch, decode tok/s, the "
+        "SnapStream\nTable 5 check) into <results_dir>/memory/{report.csv,report.md,*.png}.\n"
         "Overrides use Hydra's syntax: hardware=h200 context_lens=[32768,131072] budgets=[8192] batch=16\n\n"
         f"hardware: {', '.join(choices('hardware'))}\n\n"
         "Settings, with their defaults and meaning (conf/memory.yaml):\n\n"

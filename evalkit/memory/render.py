@@ -41,30 +41,35 @@ def _setup(dep: Deployment, cfg: dict) -> str:
             ["model", f"{m.name} (config: {source})"],
             [
                 "parameters",
-                f"{m.num_parameters / 1e9:.1f} B, {counted}; {m.active_parameters / 1e9:.1f} B active per token",
+                f"{m.num_parameters / 1e9:.1f} B, {counted}; {m.active_parameters / 1e9:.1f} B active per "
+                "token",
             ],
             [
                 "weights",
-                f"{m.weight_bits}-bit: {_gib(m.weight_bytes)} GiB in all, {_gib(dep.weight_bytes_socket)} GiB per socket (TP{dep.tp})",
+                f"{m.weight_bits}-bit: {_gib(m.weight_bytes)} GiB in all, {_gib(dep.weight_bytes_socket)} "
+                f"GiB per socket (TP{dep.tp})",
             ],
             [
                 "KV per token",
                 f"{kv.bytes_per_entry:,} B = layers x cached heads x (key + value width) x bytes = "
-                f"{kv.layers} x {kv.cached_heads} x ({kv.key_width} + {kv.value_width}) x {kv.kv_bits / 8:g} ({kv.layout})",
+                f"{kv.layers} x {kv.cached_heads} x ({kv.key_width} + {kv.value_width}) x {kv.kv_bits / 8:g} "
+                f"({kv.layout})",
             ],
             [
                 "hardware",
-                f"{hw.name}: {hw.sockets} sockets; per socket SRAM {hw.sram_bytes / MiB:g} MiB, HBM {_gib(hw.hbm_bytes)} GiB at "
-                f"{hw.hbm_bw / TB:g} TB/s, DDR {_gib(hw.ddr_bytes)} GiB at {hw.ddr_bw / GB:g} GB/s, {hw.flops / TB:g} TFLOP/s; efficiency {hw.efficiency:g}",
+                f"{hw.name}: {hw.sockets} sockets; per socket SRAM {hw.sram_bytes / MiB:g} MiB, HBM "
+                f"{_gib(hw.hbm_bytes)} GiB at {hw.hbm_bw / TB:g} TB/s, DDR {_gib(hw.ddr_bytes)} GiB at "
+                f"{hw.ddr_bw / GB:g} GB/s, {hw.flops / TB:g} TFLOP/s; efficiency {hw.efficiency:g}",
             ],
             [
                 "mapping",
-                f"projections TP{dep.tp}; attention {dep.attention} (KV of one sequence split {dep.kv_shard}-way, "
-                f"sequences spread over {dep.seq_groups} socket groups)",
+                f"projections TP{dep.tp}; attention {dep.attention} (KV of one sequence split "
+                f"{dep.kv_shard}-way, sequences spread over {dep.seq_groups} socket groups)",
             ],
             [
                 "decode",
-                f"decode_len {cfg.get('decode_len') or 0}, batch {cfg.get('batch', 'max')}, MTP factor {dep.mtp_factor:g}",
+                f"decode_len {cfg.get('decode_len') or 0}, batch {cfg.get('batch', 'max')}, MTP factor "
+                f"{dep.mtp_factor:g}",
             ],
             [
                 "KV reservation (calibrated columns)",
@@ -154,8 +159,10 @@ def _paper(paper: list[dict]) -> str:
             f"{r['memory_ratio']:.2f}x",
             f"{r['batch_full']}->{r['batch_snap']}; {r['batch_full_cal']}->{r['batch_snap_cal']}; "
             f"{r['paper_batch_full']}->{r['paper_batch_snap']}",
-            f"{r['batch_ratio']:.2f} / {r['batch_ratio_cal']:.2f} / {r['paper_batch_snap'] / r['paper_batch_full']:.2f}",
-            f"{r['tok_s_full']:.0f}->{r['tok_s_snap']:.0f}; {r['tok_s_full_cal']:.0f}->{r['tok_s_snap_cal']:.0f}; "
+            f"{r['batch_ratio']:.2f} / {r['batch_ratio_cal']:.2f} / "
+            f"{r['paper_batch_snap'] / r['paper_batch_full']:.2f}",
+            f"{r['tok_s_full']:.0f}->{r['tok_s_snap']:.0f}; "
+            f"{r['tok_s_full_cal']:.0f}->{r['tok_s_snap_cal']:.0f}; "
             f"{r['paper_tok_s_full']}->{r['paper_tok_s_snap']}",
             f"{r['gain']:.2f} / {r['gain_cal']:.2f} / {r['paper_gain']:.2f}",
             f"{100 * r['paper_bw_frac']:.0f}%",

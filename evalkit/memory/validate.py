@@ -62,7 +62,8 @@ def validate_model(m: dict) -> None:
 
 
 def validate(cfg: dict) -> None:
-    """Check a resolved conf/memory.yaml (plain dicts); raises MemoryReportError naming the first bad setting."""
+    """Check a resolved conf/memory.yaml (plain dicts); raises MemoryReportError naming the first bad
+    setting."""
     require(
         isinstance(cfg.get("results_dir"), str) and cfg["results_dir"] != "",
         "results_dir",

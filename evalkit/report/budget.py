@@ -3,12 +3,12 @@
 The context is the full run's typical request: the median one by cache length (prompt + generated) over the
 generations in its samples.jsonl, or its longest one (`kv.peak_prompt_tokens`, `kv.peak_seen_tokens`) when the
 run recorded no per-request lengths, and said so. At the longest request the ratios are the largest and
-least typical. Cache slots follow evalkit's cache (`evalkit.memory.report.run_entries`: fixed-size methods hold
-`budget` slots even for a shorter prompt, snapkv keeps min(prompt, budget) and appends). Per hardware: the
-largest batch whose KV fits in HBM beside the weights, and the modelled decode tok/s at that batch: both
-memory-bound upper bounds (KV capacity and bytes read), never predictions of measured speed. Beside them, where
-`make bench` measured the same model, method and budget (results/bench/decode_speed.csv: the embedded model,
-batch 1, CPU), the measured decode speedup over the full cache at the nearest prompt length.
+least typical. Cache slots follow evalkit's cache (`evalkit.memory.report.run_entries`: fixed-size methods
+hold `budget` slots even for a shorter prompt, snapkv keeps min(prompt, budget) and appends). Per hardware:
+the largest batch whose KV fits in HBM beside the weights, and the modelled decode tok/s at that batch: both
+memory-bound upper bounds (KV capacity and bytes read), never predictions of measured speed. Beside them,
+where `make bench` measured the same model, method and budget (results/bench/decode_speed.csv: the embedded
+model, batch 1, CPU), the measured decode speedup over the full cache at the nearest prompt length.
 """
 
 from __future__ import annotations

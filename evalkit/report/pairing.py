@@ -72,7 +72,8 @@ def partner(run: Run, fulls: list[Run]) -> Run:
     if not same:
         raise PairingError(
             "; ".join(
-                f"{run.rel} cannot be paired with {f.rel}: {differences(run, f, generation_fields, 'generation')}"
+                f"{run.rel} cannot be paired with {f.rel}: "
+                f"{differences(run, f, generation_fields, 'generation')}"
                 for f in fulls
             )
         )

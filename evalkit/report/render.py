@@ -70,9 +70,9 @@ def _small_note(rows: pd.DataFrame, min_problems: int) -> str:
     if not few:
         return ""
     return (
-        f"\n\n{SMALL} n = {', '.join(map(str, few))} < min_problems = {min_problems}: a percentile bootstrap CI over "
-        "this few problems is too narrow (it undercovers), so it is shown but never decides alone; the verdict "
-        "then follows the exact test (p), and `worse` needs both."
+        f"\n\n{SMALL} n = {', '.join(map(str, few))} < min_problems = {min_problems}: a percentile bootstrap "
+        "CI over this few problems is too narrow (it undercovers), so it is shown but never decides alone; "
+        "the verdict then follows the exact test (p), and `worse` needs both."
     )
 
 
@@ -98,20 +98,26 @@ def _header(rep: Report) -> str:
         [
             "# Deployment report: is the compressed cache as good as the full one?",
             "",
-            f"{len(rep.runs)} runs read under `{s.results_dir}/runs`; {paired} of {n_comp} compressed runs paired "
-            "sample by sample with the `full` run that generated from the same prompts.",
+            f"{len(rep.runs)} runs read under `{s.results_dir}/runs`; {paired} of {n_comp} compressed runs "
+            "paired sample by sample with the `full` run that generated from the same prompts.",
             "",
-            f"- margin delta = {st.margin:g} points (per task: {per_task}); a verdict needs >= {st.min_problems} paired problems",
-            f"- difference = compressed - full, {st.confidence:.0%} CI by a paired percentile bootstrap over problems "
-            f"({st.resamples} resamples, seed {s.seed}; the k repeats of a problem stay together); all equal: exact bound",
-            "- p-value: exact McNemar (one binary outcome per problem), otherwise a two-sided sign-flip permutation test",
-            f"- problems to decide: normal-approximation sample size for a paired non-inferiority test (Chow, Shao & "
-            f"Wang 2008, 3.1) at one-sided alpha {(1 - st.confidence) / 2:g}, power {st.power:g}, the observed mean and SD",
-            f"- memory: **modelled** by evalkit.memory with {s.deploy['weight_dtype']} weights, {s.deploy['kv_dtype']} KV, "
-            f"tp {s.deploy['tp']}, {s.deploy['attention']}; hardware {', '.join(s.hardware)}; at each full run's "
-            "median request (its longest where the run recorded no per-request lengths: each section says). Max batch and tok/s gain are memory-bound upper bounds (KV capacity, bytes read), "
-            "not predictions of measured speed; measured figures (kept/seen, the run's peak KV bytes in its own "
-            "dtype, the bench's decode speedup) are labelled as such",
+            f"- margin delta = {st.margin:g} points (per task: {per_task}); a verdict needs >= "
+            f"{st.min_problems} paired problems",
+            f"- difference = compressed - full, {st.confidence:.0%} CI by a paired percentile bootstrap over "
+            f"problems ({st.resamples} resamples, seed {s.seed}; the k repeats of a problem stay together); "
+            "all equal: exact bound",
+            "- p-value: exact McNemar (one binary outcome per problem), otherwise a two-sided sign-flip "
+            "permutation test",
+            "- problems to decide: normal-approximation sample size for a paired non-inferiority test "
+            f"(Chow, Shao & Wang 2008, 3.1) at one-sided alpha {(1 - st.confidence) / 2:g}, power "
+            f"{st.power:g}, the observed mean and SD",
+            f"- memory: **modelled** by evalkit.memory with {s.deploy['weight_dtype']} weights, "
+            f"{s.deploy['kv_dtype']} KV, tp {s.deploy['tp']}, {s.deploy['attention']}; hardware "
+            f"{', '.join(s.hardware)}; at each full run's median request (its longest where the run recorded "
+            "no per-request lengths: each section says). Max batch and tok/s gain are memory-bound upper "
+            "bounds (KV capacity, bytes read), not predictions of measured speed; measured figures "
+            "(kept/seen, the run's peak KV bytes in its own dtype, the bench's decode speedup) are labelled "
+            "as such",
         ]
     )
 
@@ -220,11 +226,11 @@ def _memory_table(rows: pd.DataFrame, hw: list[str]) -> str:
     head = (
         f"Context: the full run's {first.context_basis}, {int(first.context_tokens)} tokens (prompt "
         f"{int(first.context_prompt_tokens)}; full cache {int(first.kv_entries_full)} entries, "
-        f"{_mib(first.kv_bytes_seq_full)} per sequence). **Modelled** (evalkit.memory, {kv_dtype} KV): entries, "
-        "KV / sequence, saving, and per hardware the max batch whose KV fits beside the weights and the decode "
-        "tok/s gain at that batch: memory-bound upper bounds, not predictions of measured speed. **Measured** by "
-        f"the run: kept/seen and its peak KV bytes, in the run's own dtype ({run_dtype}), so they differ from the "
-        f"modelled {kv_dtype} bytes."
+        f"{_mib(first.kv_bytes_seq_full)} per sequence). **Modelled** (evalkit.memory, {kv_dtype} KV): "
+        "entries, KV / sequence, saving, and per hardware the max batch whose KV fits beside the weights and "
+        "the decode tok/s gain at that batch: memory-bound upper bounds, not predictions of measured speed. "
+        f"**Measured** by the run: kept/seen and its peak KV bytes, in the run's own dtype ({run_dtype}), so "
+        f"they differ from the modelled {kv_dtype} bytes."
         + (
             " **Measured** by `make bench` (results/bench/decode_speed.csv: this model, batch 1, CPU): the "
             "decode speedup over the full cache at the bench prompt length nearest this context."

@@ -139,6 +139,7 @@ def unfinished(results_dir: str | Path) -> list[str]:
         journal = folder / "generations.jsonl"
         done = sum(1 for line in journal.read_text().splitlines() if line.strip()) if journal.exists() else 0
         out.append(
-            f"{folder.relative_to(root).as_posix()}: unfinished ({done} generations journaled, no metrics.json)"
+            f"{folder.relative_to(root).as_posix()}: unfinished ({done} generations journaled, no "
+            "metrics.json)"
         )
     return out

@@ -42,7 +42,8 @@ class StatSettings:
 
 
 def lattice(values: np.ndarray) -> tuple[float, np.ndarray] | None:
-    """(step, integer multiples) with values = step * multiples, for values like 0, 33.33.., 100; else None."""
+    """(step, integer multiples) with values = step * multiples, for values like 0, 33.33.., 100; else
+    None."""
     fracs = [Fraction(float(v)).limit_denominator(MAX_DENOMINATOR) for v in values]
     if any(abs(float(f) - float(v)) > 1e-9 for f, v in zip(fracs, values)):
         return None

@@ -21,8 +21,8 @@ neither a PID namespace nor the uid drop, or no bound on total memory (see `miss
 a cap breach or the caller's `on_event` stop kills the whole tree; no descendant outlives a run, and every
 process is reaped, by the sandbox itself (the machine's PID 1 need not reap). Nothing outlives the harness
 either: the bootstrap, its init and the program die with it (parent-death signals), and a run dir it could
-not remove is swept by the next run. Upstream LiveCodeBench's `reliability_guard` is not a sandbox; this replaces it. Implementation:
-`_host.py` (this side), `_boot.py` (the bootstrap inside).
+not remove is swept by the next run. Upstream LiveCodeBench's `reliability_guard` is not a sandbox; this
+replaces it. Implementation: `_host.py` (this side), `_boot.py` (the bootstrap inside).
 
 Programs may report progress as JSON lines on fd 3: `run_program(..., on_event=f)` calls `f(event)` for
 each (return False to stop the run), and each event re-arms the `timeout_s` watchdog (the first may get

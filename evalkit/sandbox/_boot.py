@@ -1,12 +1,13 @@
-"""Sandbox bootstrap, run as `python -I -S /proc/self/fd/BOOT_FD CONFIG_FD BOOT_FD` by `evalkit.sandbox` (stdlib
-only, no imports from evalkit: it runs before and outside the package). Its source and its JSON configuration
-come on inherited file descriptors (memfds), so /proc/<pid>/cmdline of B and I shows neither host paths nor
-settings.
+"""Sandbox bootstrap, run as `python -I -S /proc/self/fd/BOOT_FD CONFIG_FD BOOT_FD` by `evalkit.sandbox`
+(stdlib only, no imports from evalkit: it runs before and outside the package). Its source and its JSON
+configuration come on inherited file descriptors (memfds), so /proc/<pid>/cmdline of B and I shows neither
+host paths nor settings.
 
 Three processes: this bootstrap (B) enters new namespaces and builds the file-system view, forks the init (I,
 PID 1 of a new PID namespace), which joins the run's cgroup (if any) and forks the program (P). P drops to an
 unprivileged uid with rlimits, no_new_privs and a seccomp filter, and execs the interpreter. When P exits, I
-exits and the kernel kills everything left in the PID namespace. B reports on the status pipe (JSON lines): the isolation it achieved, P's wait status, or an error.
+exits and the kernel kills everything left in the PID namespace. B reports on the status pipe (JSON lines):
+the isolation it achieved, P's wait status, or an error.
 B answers SIGTERM by killing I's process group; B is a subreaper, and after I it kills and reaps every orphan
 that came to it, so no process outlives the run and no zombie is left to PID 1.
 """

@@ -43,7 +43,8 @@ REAP_GRACE_S = 3.0  # how long the bootstrap gets to kill and reap its tree befo
 
 @dataclass
 class Pumped:
-    """What came out of a run: raw streams, the bootstrap's status messages and why we stopped it, if we did."""
+    """What came out of a run: raw streams, the bootstrap's status messages and why we stopped it, if we
+    did."""
 
     stdout: bytearray = field(default_factory=bytearray)
     stderr: bytearray = field(default_factory=bytearray)

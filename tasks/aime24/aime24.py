@@ -126,7 +126,8 @@ def _read(source: str) -> tuple[list, str, str]:
 
 
 def _parse(row, i: int) -> Sample | Skipped:
-    """A row in either schema -> Sample; only id, problem and answer are required (solution/url are unused)."""
+    """A row in either schema -> Sample; only id, problem and answer are required (solution/url are
+    unused)."""
     if isinstance(row, Skipped):  # a JSON-lines row that did not parse
         return row
     if not isinstance(row, dict):

@@ -1,4 +1,5 @@
-"""Judging one AIME box with math-verify (huggingface/Math-Verify, pinned 0.9.0), as lighteval's AIME metric does.
+"""Judging one AIME box with math-verify (huggingface/Math-Verify, pinned 0.9.0), as lighteval's AIME metric
+does.
 
 lighteval's `pass_at_k_math` (the metric of its `aime24` task) parses the gold and the prediction with the
 extraction targets `[ExprExtractionConfig(), LatexExtractionConfig()]` and compares them with math-verify's
@@ -29,12 +30,14 @@ POOL_GRACE_S = 30.0  # on top of the two budgets, for the worker's own overhead 
 
 
 class JudgeTimeout(BaseException):
-    """A BaseException, like math-verify's own TimeoutException: its `except Exception` must not swallow it."""
+    """A BaseException, like math-verify's own TimeoutException: its `except Exception` must not swallow
+    it."""
 
 
 @contextmanager
 def deadline(seconds: float):
-    """Raise JudgeTimeout in the main thread after `seconds`; a timer set by someone else is re-armed after."""
+    """Raise JudgeTimeout in the main thread after `seconds`; a timer set by someone else is re-armed
+    after."""
 
     def expire(signum, frame):
         raise JudgeTimeout

@@ -24,8 +24,8 @@ from io import BytesIO
 # What may be unpickled: stdlib and numpy types an answer can hold, whose `==` with a JSON value can hold or
 # raise, and the builtins their pickles name. Nothing that calls, imports or evaluates anything else.
 ALLOWED = {
-    "builtins": {"bool", "bytearray", "bytes", "complex", "dict", "float", "frozenset", "int", "list", "object",
-                 "range", "set", "slice", "str", "tuple"},
+    "builtins": {"bool", "bytearray", "bytes", "complex", "dict", "float", "frozenset", "int", "list",
+                 "object", "range", "set", "slice", "str", "tuple"},
     "collections": {"Counter", "OrderedDict", "UserDict", "UserList", "UserString", "defaultdict", "deque"},
     "decimal": {"Decimal"},
     "fractions": {"Fraction"},

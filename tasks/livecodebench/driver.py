@@ -34,15 +34,16 @@ from unittest.mock import mock_open, patch
 # Upstream's prelude (testing_util.import_string), prepended to every candidate.
 PRELUDE = (
     "from string import *\nfrom re import *\nfrom datetime import *\nfrom collections import *\n"
-    "from heapq import *\nfrom bisect import *\nfrom copy import *\nfrom math import *\nfrom random import *\n"
-    "from statistics import *\nfrom itertools import *\nfrom functools import *\nfrom operator import *\n"
-    "from io import *\nfrom sys import *\nfrom json import *\nfrom builtins import *\nfrom typing import *\n"
-    "import string\nimport re\nimport datetime\nimport collections\nimport heapq\nimport bisect\nimport copy\n"
-    "import math\nimport random\nimport statistics\nimport itertools\nimport functools\nimport operator\n"
-    "import io\nimport sys\nimport json\nsys.setrecursionlimit(50000)\n"
+    "from heapq import *\nfrom bisect import *\nfrom copy import *\nfrom math import *\nfrom random "
+    "import *\nfrom statistics import *\nfrom itertools import *\nfrom functools import *\nfrom operator "
+    "import *\nfrom io import *\nfrom sys import *\nfrom json import *\nfrom builtins import *\nfrom typing "
+    "import *\nimport string\nimport re\nimport datetime\nimport collections\nimport heapq\nimport "
+    "bisect\nimport copy\nimport math\nimport random\nimport statistics\nimport itertools\nimport "
+    "functools\nimport operator\nimport io\nimport sys\nimport json\nsys.setrecursionlimit(50000)\n"
 )
 # Upstream grades in processes forked from the documented command (README; PR #71 for the R1 models), whose
-# argv they inherit: `fileinput.input()` opens each argument (through the mocked open) and sys.argv shows them.
+# argv they inherit: `fileinput.input()` opens each argument (through the mocked open) and sys.argv shows
+# them.
 ARGV = [
     "lcb_runner/runner/main.py",
     "--model",
@@ -55,8 +56,8 @@ ARGV = [
 GUARD = {
     "builtins": ("quit", "help"),
     "os": ("kill", "system", "putenv", "remove", "removedirs", "rmdir", "fchdir", "setuid", "fork", "forkpty",
-           "killpg", "rename", "renames", "truncate", "replace", "unlink", "fchmod", "fchown", "chmod", "chown",
-           "chroot", "lchflags", "lchmod", "lchown", "getcwd", "chdir"),
+           "killpg", "rename", "renames", "truncate", "replace", "unlink", "fchmod", "fchown", "chmod",
+           "chown", "chroot", "lchflags", "lchmod", "lchown", "getcwd", "chdir"),
     "shutil": ("rmtree", "move", "chown"),
     "subprocess": ("Popen",),
 }  # fmt: skip

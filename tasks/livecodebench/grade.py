@@ -181,7 +181,7 @@ def stdio_equal(output: str, expected: str) -> bool:
     return True
 
 
-# --- functional answers: upstream's `prediction == json.loads(expected)`, outside the program ----------------
+# --- functional answers: upstream's `prediction == json.loads(expected)`, outside the program ---------------
 
 
 def _big_int(text: str) -> int:

@@ -25,10 +25,10 @@ SCORER_VERSION = lcb.SCORER_VERSION  # the generic task's grading
 # PromptConstants.SYSTEM_MESSAGE_DEEPSEEK_R1: it opens the whole input, BOS token included.
 SYSTEM_R1 = (
     "<｜begin▁of▁sentence｜>A conversation between User and Assistant. The user asks a question, and the "
-    "Assistant solves it. The assistant first thinks about the reasoning process in the mind and then provides "
-    "the user with the answer. The reasoning process and answer are enclosed within <think> </think> and "
-    "<answer> </answer> tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here "
-    "</answer>.<｜User｜>"
+    "Assistant solves it. The assistant first thinks about the reasoning process in the mind and then "
+    "provides the user with the answer. The reasoning process and answer are enclosed within <think> "
+    "</think> and <answer> </answer> tags, respectively, i.e., <think> reasoning process here </think> "
+    "<answer> answer here </answer>.<｜User｜>"
 )
 INSTRUCTION = (
     "You will be given a question (problem specification) and will generate a correct Python program that "

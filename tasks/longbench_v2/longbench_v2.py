@@ -58,9 +58,13 @@ DOCUMENT = "<text>\n$DOC$\n</text>\n\n"
 PROMPT_0SHOT = (
     f"Please read the following text and answer the question below.\n\n{DOCUMENT}{QUESTION}{ANSWER_FORMAT}"
 )
-PROMPT_COT = f"Please read the following text and answer the questions below.\n\n{DOCUMENT}{QUESTION}Let\u2019s think step by step:"
+PROMPT_COT = (
+    "Please read the following text and answer the questions below.\n\n"
+    f"{DOCUMENT}{QUESTION}Let\u2019s think step by step:"
+)
 PROMPT_COT_ANS = (
-    "Please read the following text and answer the questions below.\n\nThe text is too long and omitted here.\n\n"
+    "Please read the following text and answer the questions below.\n\n"
+    "The text is too long and omitted here.\n\n"
     f"{QUESTION}Let\u2019s think step by step: $COT$\n\n"
     f"Based on the above, what is the single, most likely answer choice? {ANSWER_FORMAT}"
 )
@@ -69,7 +73,8 @@ PROMPTS = {"0shot": PROMPT_0SHOT, "cot": PROMPT_COT}
 
 
 def fill(template: str, row: dict, cot: str | None = None) -> str:
-    """pred.py's replace chain in its order, so a placeholder that occurs inside the document is replaced too."""
+    """pred.py's replace chain in its order, so a placeholder that occurs inside the document is replaced
+    too."""
     out = template.replace("$DOC$", row["context"].strip()).replace("$Q$", row["question"].strip())
     for c in "ABCD":
         out = out.replace(f"$C_{c}$", row[f"choice_{c}"].strip())

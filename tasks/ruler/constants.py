@@ -59,8 +59,8 @@ MODEL_TEMPLATES = {
     "base": "{task_template}",
     "meta-chat": "[INST] {task_template} [/INST]",
     "vicuna-chat": (
-        "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
-        "detailed, and polite answers to the user's questions. USER: {task_template} ASSISTANT:"
+        "A chat between a curious user and an artificial intelligence assistant. The assistant gives "
+        "helpful, detailed, and polite answers to the user's questions. USER: {task_template} ASSISTANT:"
     ),
     "lwm-chat": "You are a helpful assistant. USER: {task_template} ASSISTANT: ",
     "command-r-chat": (
@@ -78,7 +78,7 @@ MODEL_TEMPLATES = {
         "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{task_template}<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\n"
     ),
-    "jamba": "<|startoftext|><|bom|><|system|> <|eom|><|bom|><|user|> {task_template}<|eom|><|bom|><|assistant|>",
+    "jamba": "<|startoftext|><|bom|><|system|> <|eom|><|bom|><|user|> {task_template}<|eom|><|bom|><|assistant|>",  # noqa: E501
     "nemotron5-instruct": "<SPECIAL_10>System\n\n<SPECIAL_11>User\n{task_template}\n<SPECIAL_11>Assistant\n",
 }
 

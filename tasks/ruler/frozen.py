@@ -44,8 +44,9 @@ def frozen_path(
     files: dict[str, str],
     template: str | None = None,
 ) -> Path:
-    """`fingerprint` is `tokenizer_fingerprint(tokenizer)`, computed once per load (it hashes the whole vocabulary).
-    `template` (RULER's model template) enters the key only when set: chat-template files keep their names."""
+    """`fingerprint` is `tokenizer_fingerprint(tokenizer)`, computed once per load (it hashes the whole
+    vocabulary). `template` (RULER's model template) enters the key only when set: chat-template files keep
+    their names."""
     name = re.sub(r"[^\w.-]+", "_", str(getattr(tokenizer, "name_or_path", "") or "tokenizer"))[-40:]
     key = {"tokenizer": fingerprint, "files": files, "version": GENERATOR_VERSION}
     if template is not None:

@@ -5,10 +5,10 @@ common and frequent words extraction, SQuAD v2 dev and HotpotQA dev-distractor Q
 Data: generated here by `tasks/ruler/generate.py` with upstream's templates, answer prefixes, seeds and length
 rule (prompt tokens + tokens to generate <= length, counted with the evaluated model's tokenizer on the
 chat-rendered prompt, or on RULER's own template for the model family when the model conf names one in
-`prompt_format`, e.g. "meta-llama3" for Llama-3.1), then frozen to JSONL (`tasks/ruler/frozen.py`). The essay and QA tasks read local
-files in upstream's format (`essay_path`, `squad_path`, `hotpotqa_path`, or `$EVALKIT_RULER_DATA`); the
-default task list needs none. Scoring: upstream's `string_match_all` / `string_match_part`, in percent.
-Deviations from upstream: docs/deviations.md#ruler.
+`prompt_format`, e.g. "meta-llama3" for Llama-3.1), then frozen to JSONL (`tasks/ruler/frozen.py`). The essay
+and QA tasks read local files in upstream's format (`essay_path`, `squad_path`, `hotpotqa_path`, or
+`$EVALKIT_RULER_DATA`); the default task list needs none. Scoring: upstream's `string_match_all` /
+`string_match_part`, in percent. Deviations from upstream: docs/deviations.md#ruler.
 """
 
 from __future__ import annotations

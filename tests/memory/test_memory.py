@@ -146,7 +146,8 @@ def test_kv_entries_per_method(method, budget, expected):
 # The paper's literals, written here and never read from production code (PAPER_TABLE5 in report.py is only
 # what the report prints beside its own numbers). SnapStream, arXiv 2511.03092, Table 5 as quoted in
 # /work/shared/spec/snapstream.md: DeepSeek-R1-0528 on one 16-socket SN40L node, decode tok/s including x2.4
-# multi-token prediction. (context, SnapStream cache, max batch full, max batch SnapStream, tok/s full, tok/s SnapStream)
+# multi-token prediction. (context, SnapStream cache, max batch full, max batch SnapStream, tok/s full, tok/s
+# SnapStream)
 PAPER_TABLE5_LITERALS = [
     (131072, 32768, 16, 64, 434, 1832),
     (65536, 16384, 32, 128, 908, 3928),
@@ -414,12 +415,13 @@ def test_bad_parallel_degree_is_named(config, sockets, tp, attention, field):
 # batches; batch=0: zero-throughput rows) or crashed with a TypeError/ValueError traceback (budgets=[abc]).
 BAD_VALUES = [
     ("mtp_factor=-2", "mtp_factor"), ("mtp_factor=0", "mtp_factor"), ("mtp_factor=0.5", "mtp_factor"),
-    ("mtp_factor=null", "mtp_factor"), ("kv_reserve_gib=-5", "kv_reserve_gib"), ("kv_reserve_gib=0", "kv_reserve_gib"),
-    ("budgets=[abc]", "budgets"), ("budgets=[]", "budgets"), ("budgets=[0]", "budgets"), ("budgets=abc", "budgets"),
-    ("batch=0", "batch"), ("batch=-3", "batch"), ("batch=many", "batch"), ("context_lens=[abc]", "context_lens"),
-    ("context_lens=[-1]", "context_lens"), ("decode_len=-1", "decode_len"), ("decode_len=null", "decode_len"),
-    ("methods=[]", "methods"), ("methods=[full,nope]", "nope"), ("methods=[full,full]", "methods"),
-    ("tile_tokens=0", "tile_tokens"), ("paper_check=maybe", "paper_check"), ("parallel.tp=0", "parallel.tp"),
+    ("mtp_factor=null", "mtp_factor"), ("kv_reserve_gib=-5", "kv_reserve_gib"),
+    ("kv_reserve_gib=0", "kv_reserve_gib"), ("budgets=[abc]", "budgets"), ("budgets=[]", "budgets"),
+    ("budgets=[0]", "budgets"), ("budgets=abc", "budgets"), ("batch=0", "batch"), ("batch=-3", "batch"),
+    ("batch=many", "batch"), ("context_lens=[abc]", "context_lens"), ("context_lens=[-1]", "context_lens"),
+    ("decode_len=-1", "decode_len"), ("decode_len=null", "decode_len"), ("methods=[]", "methods"),
+    ("methods=[full,nope]", "nope"), ("methods=[full,full]", "methods"), ("tile_tokens=0", "tile_tokens"),
+    ("paper_check=maybe", "paper_check"), ("parallel.tp=0", "parallel.tp"),
     ("parallel.attention=ring", "parallel.attention"), ("hardware.efficiency=2", "hardware.efficiency"),
     ("hardware.efficiency=0", "hardware.efficiency"), ("hardware.hbm_gib=-1", "hardware.hbm_gib"),
     ("hardware.sockets=0", "hardware.sockets"), ("hardware.hbm_tb_s=fast", "hardware.hbm_tb_s"),

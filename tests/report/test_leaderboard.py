@@ -1,5 +1,5 @@
-"""The leaderboard (evalkit/leaderboard.py): every configuration its own labelled row or column, never averaged;
-bad metrics.json files skipped by name; paired columns from the report; an argparse CLI."""
+"""The leaderboard (evalkit/leaderboard.py): every configuration its own labelled row or column, never
+averaged; bad metrics.json files skipped by name; paired columns from the report; an argparse CLI."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The deployment report (evalkit/report): pairing and its refusals, one-sided samples, repeats kept together,
-the memory join, recommendations, missing cells, bad input, the CLI. Run folders are fabricated in the runner's
-format (tests/runs_fixture.py); no model runs."""
+the memory join, recommendations, missing cells, bad input, the CLI. Run folders are fabricated in the
+runner's format (tests/runs_fixture.py); no model runs."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""What the report's figures are, said beside them: memory-bound upper bounds at the full run's median request,
-the bench's measured speedup next to them, modelled vs measured bytes, small-n CIs marked, and why a point is
-inconclusive. Also the docs' report excerpt, rendered here from fixture runs so it cannot drift."""
+"""What the report's figures are, said beside them: memory-bound upper bounds at the full run's median
+request, the bench's measured speedup next to them, modelled vs measured bytes, small-n CIs marked, and why a
+point is inconclusive. Also the docs' report excerpt, rendered here from fixture runs so it cannot drift."""
 
 from __future__ import annotations
 

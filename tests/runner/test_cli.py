@@ -104,7 +104,8 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, after):
         for d in ("clean", "killed")
     )
     assert a["scores"] == b["scores"] and a["kv"] == b["kv"] and a["n"] == b["n"] == 18
-    # resumed, not restarted: what was journaled before the kill was taken from the journal, the rest generated
+    # resumed, not restarted: what was journaled before the kill was taken from the journal, the rest
+    # generated
     assert (
         b["generation"]["from_journal"] == done_before
         and b["generation"]["generated_now"] == 18 - done_before
@@ -162,7 +163,8 @@ def test_lm_eval_cli_runs_the_task_on_a_tiny_model(tmp_path):
         sys.executable, "-m", "lm_eval", "run", "--model", "evalkit",
         "--model_args", "model=tiny_llama,method=snapstream,budget=64",
         "--include_path", str(ROOT / "tasks"), "--tasks", "evalkit_ruler",
-        "--metadata", json.dumps({"tokenizer": "smollm2_135m", "n": 1, "lengths": [1024], "tasks": ["niah_single_1"]}),
+        "--metadata",
+        json.dumps({"tokenizer": "smollm2_135m", "n": 1, "lengths": [1024], "tasks": ["niah_single_1"]}),
         "--output_path", str(tmp_path), "--limit", "1",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -181,7 +183,8 @@ def test_lm_eval_cli_runs_the_task_on_a_tiny_model(tmp_path):
         "score/niah_single_1@1024_stderr,all": "N/A",
     }
     assert results["n-samples"]["evalkit_ruler"] == {"original": 1, "effective": 1}
-    # evalkit's names collide with none lm-eval ships: no "overrides existing task" / "Duplicate task name" warning
+    # evalkit's names collide with none lm-eval ships: no "overrides existing task" / "Duplicate task name"
+    # warning
     assert "overrides existing" not in proc.stderr and "Duplicate" not in proc.stderr, proc.stderr[-3000:]
 
 

@@ -1,6 +1,6 @@
 """What a run folder goes through, in process on the tiny random model: re-scoring from the journal without a
-model when the scorer changes, a finished run on changed data refused, every bad input refused before the model
-loads, one process per folder, and evalkit's scores equal to lm-eval's own `process_results`."""
+model when the scorer changes, a finished run on changed data refused, every bad input refused before the
+model loads, one process per folder, and evalkit's scores equal to lm-eval's own `process_results`."""
 
 import json
 import shutil
@@ -90,8 +90,8 @@ def test_a_changed_headline_rescores_and_a_changed_generation_setting_is_refused
 
 
 def test_a_finished_run_without_its_samples_is_rebuilt_from_the_journal(tmp_path, monkeypatch, capsys):
-    """samples.jsonl deleted (or lost) under a finished run: rebuilt from the journal without a model, equal to
-    what it was, instead of the run being skipped as complete forever."""
+    """samples.jsonl deleted (or lost) under a finished run: rebuilt from the journal without a model, equal
+    to what it was, instead of the run being skipped as complete forever."""
     args = [*RULER, "method.budget=64"]
     run(*args, results=tmp_path)
     out = folder(tmp_path)
@@ -329,9 +329,9 @@ def test_a_damaged_run_folder_is_refused_by_name(tmp_path, damage, message, no_m
 
 
 def test_a_method_setting_equal_to_its_default_is_the_default_run(tmp_path):
-    """`method.recent=32` at budget 256 is what the default (budget // 8) resolves to: the same folder, config and
-    identity as the default run, so it is skipped or resumed, never run again into a second folder; at budget 512
-    (default recent 64) it is a setting of its own."""
+    """`method.recent=32` at budget 256 is what the default (budget // 8) resolves to: the same folder, config
+    and identity as the default run, so it is skipped or resumed, never run again into a second folder; at
+    budget 512 (default recent 64) it is a setting of its own."""
 
     def planned(*overrides):
         return runner.plan(compose(overrides=[*RULER, *overrides, f"results_dir={tmp_path}"]))

@@ -18,12 +18,14 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     "logger, message, kept",
     [
-        ("lm_eval.evaluator_utils", "[evalkit_ruler] No aggregation function defined for metric score/vt. Using mean.", False),
-        ("lm_eval.evaluator_utils", "[evalkit_ruler] Metrics were not scored on the same number of documents (...) "
+        ("lm_eval.evaluator_utils", "[evalkit_ruler] No aggregation function defined for metric score/vt. "
+            "Using mean.", False),
+        ("lm_eval.evaluator_utils", "[evalkit_ruler] Metrics were not scored on the same number of documents "
+            "(...) "
          "so any metric scored on fewer than 2 documents is over-weighted in the group score.", False),
         ("lm_eval.api.task", "evalkit_ruler: Custom kwargs can be passed to `--metadata` in console", False),
         ("lm_eval.evaluator_utils", "[mmlu] No aggregation function defined for metric x. Using mean.", True),
-        ("lm_eval.evaluator_utils", "[gsm8k] Metrics were not scored ... over-weighted in the group score.", True),
+        ("lm_eval.evaluator_utils", "[gsm8k] Metrics were not scored ... over-weighted in the group score.", True),  # noqa: E501
         ("lm_eval.config.evaluate_config", "--limit SHOULD ONLY BE USED FOR TESTING.", True),
     ],
 )  # fmt: skip

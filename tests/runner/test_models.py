@@ -24,7 +24,8 @@ def test_every_model_conf_instantiates(name):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "deepseek_v3"])
 def test_loads_saved_weights_from_a_local_path(arch, tmp_path, smollm2):
-    """The path used for Llama-3.1 / Qwen3 / DeepSeek-R1 weights, on tiny random weights of the same architecture."""
+    """The path used for Llama-3.1 / Qwen3 / DeepSeek-R1 weights, on tiny random weights of the same
+    architecture."""
     cfg = dict(TINY[arch])
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     saved = AutoModelForCausalLM.from_config(config)

@@ -1,7 +1,7 @@
-"""The runner end to end on the tiny random model, for what unit tests cannot see: k repeats reaching pass@1 and
-cons@k, LiveCodeBench graded in the sandbox with its isolation recorded, LongBench CoT's answer call on a full
-cache, context capping and middle truncation counted, shared prefill at batch size > 1, and kills at chosen
-moments (no wall clock) resuming to identical results, sampled runs included.
+"""The runner end to end on the tiny random model, for what unit tests cannot see: k repeats reaching pass@1
+and cons@k, LiveCodeBench graded in the sandbox with its isolation recorded, LongBench CoT's answer call on a
+full cache, context capping and middle truncation counted, shared prefill at batch size > 1, and kills at
+chosen moments (no wall clock) resuming to identical results, sampled runs included.
 
 Where an outcome must be known, the model's text is scripted (`scripted`): the harness (journal, scoring,
 aggregation) is under test there, not the model."""
@@ -136,7 +136,8 @@ def test_longbench_cot_answer_call_runs_on_a_full_cache(tmp_path):
 
 
 def test_context_capping_and_middle_truncation_are_counted(tmp_path):
-    # a ~900-token AIME problem and 32k new tokens asked in a 600-token context: cut in the middle, and counted
+    # a ~900-token AIME problem and 32k new tokens asked in a 600-token context: cut in the middle, and
+    # counted
     data = tmp_path / "long.jsonl"
     data.write_text(
         json.dumps({"id": 1, "problem": "Find x. " * 300 + "What is 1 + 1?", "answer": "2"}) + "\n"

@@ -131,8 +131,8 @@ def test_subsample_is_seeded_and_keeps_input_order():
 
 
 def test_journal_drops_a_line_torn_inside_a_multibyte_character(tmp_path):
-    """A kill (or a full disk) can cut the last line inside a UTF-8 character: that torn tail is dropped like any
-    other and the run resumes; the same bytes in the middle of the file are set aside, verbatim."""
+    """A kill (or a full disk) can cut the last line inside a UTF-8 character: that torn tail is dropped like
+    any other and the run resumes; the same bytes in the middle of the file are set aside, verbatim."""
     path = tmp_path / "generations.jsonl"
     j = Journal(path)
     j.append(rec("a", "café"))

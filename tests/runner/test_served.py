@@ -1,9 +1,9 @@
 """Served baselines (`model=served`, evalkit.served) against an OpenAI-compatible server on 127.0.0.1.
 
 Fast tests use a small scripted server (http.server in a thread): what is sent (evalkit's exact prompt bytes,
-greedy, per-request seeds), what is journaled and reported, concurrency, retries, refusals, a server that is down,
-changed or serves another model. The slow test starts a real `transformers serve` with the embedded SmolLM2 and
-compares its greedy answers with the in-process `full` run on the same RULER and AIME samples.
+greedy, per-request seeds), what is journaled and reported, concurrency, retries, refusals, a server that is
+down, changed or serves another model. The slow test starts a real `transformers serve` with the embedded
+SmolLM2 and compares its greedy answers with the in-process `full` run on the same RULER and AIME samples.
 """
 
 import json
@@ -129,7 +129,8 @@ def run(*overrides, results):
 
 
 def folder(results, task="aime24_greedy", model="served"):
-    """The one full run of `task` on `model` under `results` (its settings name the folders: `aime24_greedy-n3`)."""
+    """The one full run of `task` on `model` under `results` (its settings name the folders:
+    `aime24_greedy-n3`)."""
     (found,) = [
         p
         for p in Path(results).glob("runs/*/*/full/none")
@@ -326,7 +327,8 @@ def test_the_chat_api_continues_an_answer_prefix():
 
 @pytest.mark.parametrize("own", [dict(rendered=True), dict(meta={"prompt_template": "meta-llama3"})])
 def test_the_chat_api_refuses_a_prompt_that_carries_its_own_template(own):
-    """livecodebench_r1's raw DeepSeek string, RULER's meta-llama3 text: a server's chat template would wrap them."""
+    """livecodebench_r1's raw DeepSeek string, RULER's meta-llama3 text: a server's chat template would wrap
+    them."""
     from evalkit.request import Prompt
     from evalkit.sample import Sample
     from evalkit.served import ServedChat, ServedSpec, _Final
@@ -338,7 +340,7 @@ def test_the_chat_api_refuses_a_prompt_that_carries_its_own_template(own):
         chat._payload(Prompt("t/0/0/0", "unused", 8, {"until": []}, s), "unused")
 
 
-# --- a real server: transformers serve with the embedded SmolLM2 ------------------------------------------------
+# --- a real server: transformers serve with the embedded SmolLM2 --------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -347,7 +349,8 @@ def free_port() -> int:
 
 @pytest.fixture
 def transformers_serve(tmp_path):
-    """`transformers serve <embedded SmolLM2 folder>` on 127.0.0.1, greedy on CPU in fp32; stopped afterwards."""
+    """`transformers serve <embedded SmolLM2 folder>` on 127.0.0.1, greedy on CPU in fp32; stopped
+    afterwards."""
     from evalkit.config import model_spec
     from evalkit.models import resolve_source
 
@@ -412,7 +415,8 @@ def predictions(out: Path) -> dict[str, list[str]]:
 
 @pytest.mark.slow
 def test_transformers_serve_answers_as_the_in_process_full_cache(transformers_serve, tmp_path):
-    """Same prompts, greedy, fp32, the same weights: the served answers equal evalkit's in-process `full` run."""
+    """Same prompts, greedy, fp32, the same weights: the served answers equal evalkit's in-process `full`
+    run."""
     url, _ = transformers_serve
     cases = {
         "ruler": [

@@ -1,5 +1,6 @@
 """Sweeps through submitit: the launcher confs say what a cluster needs, and a real submitit sweep (the local
-executor: one process per job, pickled and collected as on SLURM) gives exactly the in-process sweep's results."""
+executor: one process per job, pickled and collected as on SLURM) gives exactly the in-process sweep's
+results."""
 
 import json
 import subprocess

@@ -329,9 +329,9 @@ GRADED_HOARDS = {
     "plain": "b = bytearray(1 << 40)",
     "memfd": "import os\nfor _ in range(16):\n    os.pwrite(os.memfd_create('x'), b'x' * (32 << 20), 0)",
     "tmpfs": "for i in range(16):\n    open(f'/dev/shm/{i}', 'wb').write(b'x' * (32 << 20))",
-    "sysv_shm": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = ctypes.c_void_p\n"
-    "seg = libc.shmget(0, 512 << 20, 0o1600)\nif seg < 0:\n    raise OSError(ctypes.get_errno(), 'shmget')\n"
-    "ctypes.memset(libc.shmat(seg, None, 0), 1, 512 << 20)",
+    "sysv_shm": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = "
+    "ctypes.c_void_p\nseg = libc.shmget(0, 512 << 20, 0o1600)\nif seg < 0:\n    raise "
+    "OSError(ctypes.get_errno(), 'shmget')\nctypes.memset(libc.shmat(seg, None, 0), 1, 512 << 20)",
     "pipe": "import fcntl, os\nfor _ in range(100):\n    fcntl.fcntl(os.pipe()[1], 1031, 1 << 20)",
 }
 
@@ -349,7 +349,7 @@ def test_memory_hoarding_is_graded_as_a_memory_overrun():
     assert outcomes == dict.fromkeys(GRADED_HOARDS, "runtime_error"), outcomes
 
 
-# --- no nested namespaces, no configuration in view (15.10) ----------------------------------------------------
+# --- no nested namespaces, no configuration in view (15.10) -------------------------------------------------
 NAMESPACES = """
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
@@ -361,7 +361,7 @@ for name, flags in [("user", 0x10000000), ("mount", 0x20000), ("net", 0x40000000
         rc = libc.mount(b"none", b"/tmp" if os.path.isdir("/tmp") else b"/", b"tmpfs", 0, None)
         print("tmpfs mount", "ALLOWED" if rc == 0 else ctypes.get_errno())
 print("setns", "ALLOWED" if libc.setns(os.open("/proc/self/ns/net", os.O_RDONLY), 0) == 0 else ctypes.get_errno())
-"""
+"""  # noqa: E501 (the program's own lines)
 
 
 def test_no_nested_namespaces():
@@ -413,7 +413,7 @@ for attempt in (lambda: os.remove({str(canary)!r}), lambda: open({str(canary)!r}
         print("denied", e.errno)
 open("inside.txt", "w").write("fine")  # its own working dir is writable
 print(open("inside.txt").read())
-"""
+"""  # noqa: E501 (the program's own lines)
     r = run(code)
     assert r.status == "ok" and "ALLOWED" not in r.stdout and r.stdout.endswith("fine\n"), r.stdout
     assert canary.read_text() == "keep me" and sorted(os.listdir(tmp_path)) == ["canary.txt"]
@@ -434,7 +434,8 @@ def test_environment_secrets_do_not_leak(monkeypatch):
             "import os\nprint(dict(os.environ))\n"
             f"for pid in ['self', 1, os.getppid(), {os.getpid()}, {holder.pid}]:\n"
             "    p = f'/proc/{pid}/environ'\n"
-            "    try:\n        print(p, open(p, 'rb').read())\n    except OSError as e:\n        print(p, 'denied', e)\n"
+            "    try:\n        print(p, open(p, 'rb').read())\n    except OSError as e:\n        print(p, "
+            "'denied', e)\n"
         )
         r = run(code)
     finally:
@@ -471,7 +472,10 @@ def test_root_holds_only_the_allow_list():
     allowed = {"usr", "bin", "lib", "lib32", "lib64", "libx32", "etc", "dev", "proc", "tmp"}
     allowed |= {p.parts[1] for p in prefixes} | {Path(tempfile.gettempdir()).parts[1]}
     dirs = ["/", "/etc", "/dev", str(REPO)]
-    code = f"import json, os\nprint(json.dumps({{d: sorted(os.listdir(d)) for d in {dirs!r} if os.path.isdir(d)}}))"
+    code = (
+        f"import json, os\nprint(json.dumps({{d: sorted(os.listdir(d)) for d in {dirs!r} if "
+        "os.path.isdir(d)}))"
+    )
     r = run(code)
     assert r.status == "ok", r.stderr
     seen = json.loads(r.stdout)
@@ -495,7 +499,10 @@ def test_sandbox_processes_are_opaque():
     """Its init (PID 1 of its namespace) holds capabilities over the mounts and pipes to the harness: the
     program may neither read its fds nor trace it, also where it runs under the same uid (user namespace)."""
     needs(pid=True)
-    code = "import os\ntry:\n    print(os.listdir('/proc/1/fd'))\nexcept OSError as e:\n    print('denied', e.errno)\n"
+    code = (
+        "import os\ntry:\n    print(os.listdir('/proc/1/fd'))\nexcept OSError as e:\n    print('denied', "
+        "e.errno)\n"
+    )
     r = run(code)
     assert (r.status, r.stdout) == ("ok", "denied 13\n"), r.stdout
 
@@ -512,7 +519,8 @@ def test_host_unix_sockets_cannot_be_reached(tmp_path, kind):
         server.setblocking(False)
         code = (
             "import socket\ns = socket.socket(socket.AF_UNIX)\n"
-            f"try:\n    s.connect({address!r})\n    print('CONNECTED')\nexcept OSError as e:\n    print('failed', e)\n"
+            f"try:\n    s.connect({address!r})\n    print('CONNECTED')\nexcept OSError as e:\n    "
+            "print('failed', e)\n"
         )
         r = run(code)
         assert r.status == "ok" and r.stdout.startswith("failed"), r.stdout
@@ -527,7 +535,10 @@ def test_no_network():
         server.listen()
         server.setblocking(False)
         port = server.getsockname()[1]
-        code = f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n    print('CONNECTED')\nexcept OSError as e:\n    print('failed', e)\n"
+        code = (
+            f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n    "
+            "print('CONNECTED')\nexcept OSError as e:\n    print('failed', e)\n"
+        )
         r = run(code)
         assert r.status == "ok" and r.stdout.startswith("failed"), r.stdout
         with pytest.raises(BlockingIOError):
@@ -579,7 +590,10 @@ def test_fd3_is_ignored_without_a_listener():
 
 
 def test_events_rearm_the_watchdog_and_stop_the_run():
-    code = "import os, time\nfor i in range(5):\n    time.sleep(0.3)\n    os.write(3, b'{\"i\": %d}\\n' % i)\ntime.sleep(60)\n"
+    code = (
+        "import os, time\nfor i in range(5):\n    time.sleep(0.3)\n    os.write(3, b'{\"i\": %d}\\n' % "
+        "i)\ntime.sleep(60)\n"
+    )
     seen = []
     r = run(code, timeout_s=0.8, on_event=lambda ev: seen.append(ev["i"]) or ev["i"] < 3)
     assert r.status == "stopped" and seen == [0, 1, 2, 3]  # 5 x 0.3 s > 0.8 s: each event re-armed it
@@ -661,7 +675,7 @@ def test_malicious_pickled_tests_are_refused():
     assert not os.path.exists("/tmp/evalkit-pwned")
 
 
-# --- no task data in view, however evalkit is installed (15.2) -------------------------------------------------
+# --- no task data in view, however evalkit is installed (15.2) ----------------------------------------------
 # A wheel or system install puts evalkit's packages, task data (expected outputs) included, in a site-packages
 # dir the view binds for the interpreter: the sandbox mounts an empty dir over each harness package there.
 DATA = sorted(str(p) for p in (REPO / "tasks").glob("*/data/*") if p.is_file())
@@ -744,7 +758,7 @@ print(found)
 ''' % (sizes,)
 r = sandbox.run_program(hunt, timeout_s=600, memory_mb=1024)
 print("found", r.status, r.stdout.strip())
-"""
+"""  # noqa: E501 (the program's own lines)
 
 
 @pytest.mark.slow
@@ -809,7 +823,7 @@ def test_cgroup_choice(monkeypatch, tmp_path):
         sandbox.isolation()
 
 
-# --- the read-only host view, where it is allowed (allow_unisolated) -----------------------------------------
+# --- the read-only host view, where it is allowed (allow_unisolated) ----------------------------------------
 def test_checkout_and_its_git_are_not_in_view(view):
     """The checkout (its results, journals, task data) and its .git (every bundled solution in every commit),
     the main repository's .git too where the checkout is a worktree: in neither view. The fallback also
@@ -831,7 +845,7 @@ def test_runs_with_the_checkout_under_home(view, monkeypatch):
     assert (r.status, r.stdout, r.error) == ("ok", "False\n", "")
 
 
-# --- nothing outlives a killed harness ------------------------------------------------------------------------
+# --- nothing outlives a killed harness ----------------------------------------------------------------------
 GRADER = """
 import sys
 from evalkit import sandbox
@@ -874,7 +888,7 @@ def test_nothing_outlives_a_killed_harness(view, sig):
     assert _host.run_dirs(grader.pid) == []
 
 
-# --- nothing passes from one run to the next -------------------------------------------------------------------
+# --- nothing passes from one run to the next ----------------------------------------------------------------
 KEYRING = """
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
@@ -885,7 +899,7 @@ if {add}:
 else:
     key, buf = libc.syscall(REQUEST_KEY, b"user", b"evalkit-canary", None, 0), ctypes.create_string_buffer(64)
     print("read", key, ctypes.get_errno(), libc.syscall(KEYCTL, 11, key, buf, 64) if key >= 0 else "", buf.value)
-"""
+"""  # noqa: E501 (the program's own lines)
 
 
 def test_keyrings_do_not_carry_data_between_runs(view):
@@ -908,7 +922,7 @@ def test_init_cmdline_names_no_host_path(view):
     assert argv0 == "python3" and sys.executable not in r.stdout and sys.prefix not in r.stdout, r.stdout
 
 
-# --- settings the host cannot run, refused at configuration ---------------------------------------------------
+# --- settings the host cannot run, refused at configuration -------------------------------------------------
 def test_more_workers_than_the_host_can_run_are_refused(monkeypatch):
     """Every worker holds descriptors (pipes, the run dir's lock) and, as root, a per-run uid: more than the
     process's open-file limit or its uid slots allow failed only at grading, after the whole generation."""

@@ -1,4 +1,5 @@
-"""AIME 2024: prompt, last-box extraction, math-verify judging, pass@1 / cons@k, loaders for both schemas (CPU, offline)."""
+"""AIME 2024: prompt, last-box extraction, math-verify judging, pass@1 / cons@k, loaders for both schemas
+(CPU, offline)."""
 
 import hashlib
 import json
@@ -54,7 +55,8 @@ def test_last_boxed(response, box):
 
 def qwen_box(pred_str: str) -> str:
     """Reference: QwenLM/Qwen2.5-Math `evaluation/parser.py` extract_answer's box branch, whose lines are
-    `ans = pred_str.split("boxed")[-1]` / `if ans[0] == "{":` (brace counting) / `else: a = ans.split("$")[0].strip()`."""
+    `ans = pred_str.split("boxed")[-1]` / `if ans[0] == "{":` (brace counting) / `else: a =
+    ans.split("$")[0].strip()`."""
     ans = pred_str.split("boxed")[-1]
     if ans[0] != "{":
         return ans.split("$")[0].strip()

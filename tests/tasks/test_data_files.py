@@ -1,5 +1,5 @@
-"""Data files as users hand them over: a byte-order mark, another encoding, a device instead of a file. Each is
-read whole or refused with the file named; no row is lost silently."""
+"""Data files as users hand them over: a byte-order mark, another encoding, a device instead of a file. Each
+is read whole or refused with the file named; no row is lost silently."""
 
 import json
 

@@ -53,7 +53,7 @@ def fenced(code: str) -> str:
     return f"Here is my solution.\n```python\n{code}\n```\nDone."
 
 
-# --- prompt --------------------------------------------------------------------------------------------------
+# --- prompt -------------------------------------------------------------------------------------------------
 
 
 def test_prompt_stdin_problem_bytes(loaded):
@@ -65,9 +65,9 @@ def test_prompt_stdin_problem_bytes(loaded):
     )
     assert s.prompt == (
         "### Question:\n" + row["question_content"] + "\n\n"
-        "### Format: Read the inputs from stdin solve the problem and write the answer to stdout (do not directly "
-        "test on the sample inputs). Enclose your code within delimiters as follows. Ensure that when the python "
-        "program runs, it reads the inputs, runs the algorithm and writes output to STDOUT.\n"
+        "### Format: Read the inputs from stdin solve the problem and write the answer to stdout (do not "
+        "directly test on the sample inputs). Enclose your code within delimiters as follows. Ensure that "
+        "when the python program runs, it reads the inputs, runs the algorithm and writes output to STDOUT.\n"
         "```python\n# YOUR CODE HERE\n```\n\n"
         "### Answer: (use the provided format with backticks)\n\n"
     )
@@ -78,8 +78,8 @@ def test_prompt_functional_problem_bytes():
     text = lcb.prompt("Return 1.", "class Solution:\n    def one(self) -> int:\n        ")
     assert text == (
         "### Question:\nReturn 1.\n\n"
-        "### Format: You will use the following starter code to write the solution to the problem and enclose "
-        "your code within delimiters.\n"
+        "### Format: You will use the following starter code to write the solution to the problem and "
+        "enclose your code within delimiters.\n"
         "```python\nclass Solution:\n    def one(self) -> int:\n        \n```\n\n"
         "### Answer: (use the provided format with backticks)\n\n"
     )
@@ -91,18 +91,18 @@ def test_prompt_functional_problem_bytes():
 #         prompt = f"{PromptConstants.SYSTEM_MESSAGE_DEEPSEEK_R1}"
 #         prompt += f"{get_deepseek_r1_question_template_answer(question)}"
 R1_HEAD = (
-    "<｜begin▁of▁sentence｜>A conversation between User and Assistant. The user asks a question, and the Assistant "
-    "solves it. The assistant first thinks about the reasoning process in the mind and then provides the user "
-    "with the answer. The reasoning process and answer are enclosed within <think> </think> and <answer> "
-    "</answer> tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here </answer>."
-    "<｜User｜>You will be given a question (problem specification) and will generate a correct Python program "
-    "that matches the specification and passes all tests.\n\nQuestion: "
+    "<｜begin▁of▁sentence｜>A conversation between User and Assistant. The user asks a question, and the "
+    "Assistant solves it. The assistant first thinks about the reasoning process in the mind and then "
+    "provides the user with the answer. The reasoning process and answer are enclosed within <think> "
+    "</think> and <answer> </answer> tags, respectively, i.e., <think> reasoning process here </think> "
+    "<answer> answer here </answer>.<｜User｜>You will be given a question (problem specification) and will "
+    "generate a correct Python program that matches the specification and passes all tests.\n\nQuestion: "
 )
 R1_STDIN = R1_HEAD + (
     "Print twice N.\n\nInput\n\nN\n\nRead the inputs from stdin solve the problem and write the answer to "
-    "stdout (do not directly test on the sample inputs). Enclose your code within delimiters as follows. Ensure "
-    "that when the python program runs, it reads the inputs, runs the algorithm and writes output to STDOUT.\n"
-    "```python\n# YOUR CODE HERE\n```\n\n<｜Assistant｜>"
+    "stdout (do not directly test on the sample inputs). Enclose your code within delimiters as follows. "
+    "Ensure that when the python program runs, it reads the inputs, runs the algorithm and writes output to "
+    "STDOUT.\n```python\n# YOUR CODE HERE\n```\n\n<｜Assistant｜>"
 )
 R1_STARTER = R1_HEAD + (
     "Return 1.\n\nYou will use the following starter code to write the solution to the problem and enclose "
@@ -138,7 +138,8 @@ def test_r1_samples_are_rendered_as_is():
 
 def test_r1_window_and_versions(tmp_path):
     """R1's "August 2024 - January 2025": 2024-08-01..2025-01-31, compared as upstream's loader does
-    (`p_start_date <= e.contest_date`, `e.contest_date <= p_end_date`, both `datetime.strptime(d, "%Y-%m-%d")`)."""
+    (`p_start_date <= e.contest_date`, `e.contest_date <= p_end_date`, both `datetime.strptime(d,
+    "%Y-%m-%d")`)."""
     from omegaconf import OmegaConf
 
     conf = OmegaConf.load(Path(lcb.__file__).parents[2] / "conf" / "task" / "livecodebench_r1.yaml")
@@ -152,7 +153,7 @@ def test_r1_window_and_versions(tmp_path):
     assert (r1.VERSION, lcb.VERSION, r1.SCORER_VERSION, lcb.SCORER_VERSION) == (2, 1, 4, 4)
 
 
-# --- extraction, comparison, pass@k ----------------------------------------------------------------------------
+# --- extraction, comparison, pass@k -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -347,7 +348,7 @@ def test_metrics_keys_and_percent():
     assert m["outcome/no_code"] == pytest.approx(100 / 3) and m["outcome/timeout"] == 0
 
 
-# --- loader --------------------------------------------------------------------------------------------------
+# --- loader -------------------------------------------------------------------------------------------------
 
 
 def test_bundled_sample(loaded):
@@ -448,7 +449,7 @@ def test_n_subset_is_seeded():
     assert [s.id for s in a.samples] == [s.id for s in b.samples] and len(a.samples) == 4
 
 
-# --- grading in the sandbox ----------------------------------------------------------------------------------
+# --- grading in the sandbox ---------------------------------------------------------------------------------
 
 
 def test_reference_solutions_pass(loaded):
@@ -502,7 +503,7 @@ STDIN = Cases(["1 2\n", "5 7\n"], ["3\n", "12\n"], None)
         ("import sys\nprint(sum(map(int, sys.stdin.read().split())))", "passed"),
         ("import sys\nprint(sum(map(int, sys.stdin.buffer.read().split())))", "passed"),
         (
-            "def main():\n    print(sum(map(int, input().split())))\n\nif __name__ == '__main__':\n    main()",
+            "def main():\n    print(sum(map(int, input().split())))\n\nif __name__ == '__main__':\n    main()",  # noqa: E501
             "passed",
         ),
         ("import sys\nprint(sum(map(int, input().split())))\nsys.exit(0)\nprint('unreachable')", "passed"),
@@ -538,7 +539,7 @@ def test_output_over_the_cap_is_a_sandbox_kill():
     assert grade.grade("print('x' * (40 << 20))", STDIN, s).outcome == "sandbox_kill"
 
 
-# --- every way of reading stdin, as upstream grades it ---------------------------------------------------------
+# --- every way of reading stdin, as upstream grades it ------------------------------------------------------
 # LiveCodeBench/LiveCodeBench@28fef95, lcb_runner/evaluation/testing_util.py, `call_method`:
 #     inputs_line_iterator = iter(inputs.split("\n"))
 #     mock_stdin = MockStdinWithBuffer(inputs)
@@ -548,60 +549,60 @@ def test_output_over_the_cap_is_a_sandbox_kill():
 #     @patch("sys.stdin.readlines", lambda *args: inputs.split("\n"))
 #     @patch("sys.stdin.read", lambda *args: inputs)
 # The last three patch the real stdin object (entered first, before it is swapped), which a program bound
-# through `from sys import stdin` or the prelude's `from sys import *`. The real stdin is /dev/null (the grader
-# is a multiprocessing child), `reliability_guard()` has nulled os.kill, os.getcwd, quit, ... and blocked
-# `resource`, and argv is the runner's command line. Outcome = upstream's result (-2 wrong answer, -4 error)
-# from `evaluate_generations` on these programs and the bundled tests of lcbs_002 (Codeforces, Bracket Repair);
-# `test_stdin_forms_side_by_side_with_upstream` reproduces the column from an upstream checkout.
+# through `from sys import stdin` or the prelude's `from sys import *`. The real stdin is /dev/null (the
+# grader is a multiprocessing child), `reliability_guard()` has nulled os.kill, os.getcwd, quit, ... and
+# blocked `resource`, and argv is the runner's command line. Outcome = upstream's result (-2 wrong answer, -4
+# error) from `evaluate_generations` on these programs and the bundled tests of lcbs_002 (Codeforces, Bracket
+# Repair); `test_stdin_forms_side_by_side_with_upstream` reproduces the column from an upstream checkout.
 
 SOLVE = (
     "def solve(s):\n    open_ = need = 0\n    for ch in s:\n        if ch == '(':\n            open_ += 1\n"
-    "        elif open_:\n            open_ -= 1\n        else:\n            need += 1\n    return need + open_\n"
+    "        elif open_:\n            open_ -= 1\n        else:\n            need += 1\n    return need + open_\n"  # noqa: E501
 )
 LOOP = "for _ in range(t):\n    print(solve({}.strip()))"
 FORMS = [  # (name, program after SOLVE, upstream's result, evalkit's outcome)
     ("input()", "t = int(input())\n" + LOOP.format("input()"), True, "passed"),
-    ("sys.stdin.read", "import sys\nd = sys.stdin.read().split()\nfor s in d[1:]:\n    print(solve(s))", True, "passed"),
-    ("sys.stdin.readline", "import sys\nt = int(sys.stdin.readline())\n" + LOOP.format("sys.stdin.readline()"), True, "passed"),
-    ("sys.stdin.readlines", "import sys\nls = sys.stdin.readlines()\nfor s in ls[1:1 + int(ls[0])]:\n    print(solve(s.strip()))", True, "passed"),
-    ("sys.stdin.read().splitlines", "import sys\nls = sys.stdin.read().splitlines()\nfor s in ls[1:]:\n    print(solve(s))", True, "passed"),
-    ("sys.stdin.buffer.read", "import sys\nd = sys.stdin.buffer.read().split()\nfor s in d[1:]:\n    print(solve(s.decode()))", True, "passed"),
-    ("sys.stdin.buffer.readline", "import sys\nt = int(sys.stdin.buffer.readline())\n" + LOOP.format("sys.stdin.buffer.readline().decode()"), -2, "wrong_answer"),  # MockBuffer: always line 1
-    ("input = sys.stdin.readline", "import sys\ninput = sys.stdin.readline\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),
-    ("from sys import stdin; readline", "from sys import stdin\nt = int(stdin.readline())\n" + LOOP.format("stdin.readline()"), True, "passed"),
-    ("from sys import stdin; read", "from sys import stdin\nd = stdin.read().split()\nfor s in d[1:]:\n    print(solve(s))", True, "passed"),
-    ("from sys import stdin; readlines", "from sys import stdin\nls = stdin.readlines()\nfor s in ls[1:1 + int(ls[0])]:\n    print(solve(s.strip()))", True, "passed"),
-    ("from sys import stdin as f", "from sys import stdin as f\nt = int(f.readline())\n" + LOOP.format("f.readline()"), True, "passed"),
-    ("input = stdin.readline", "from sys import stdin\ninput = stdin.readline\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),
-    ("bare stdin (the prelude's)", "t = int(stdin.readline())\n" + LOOP.format("stdin.readline()"), True, "passed"),
-    ("bound stdin inside a def", "from sys import stdin\ndef main():\n    t = int(stdin.readline())\n    for _ in range(t):\n        print(solve(stdin.readline().strip()))\nmain()", True, "passed"),
-    ("import inside a def", "def main():\n    from sys import stdin\n    t = int(stdin.readline())\n    for _ in range(t):\n        print(solve(stdin.readline().strip()))\nmain()", True, "passed"),
-    ("iter(stdin.readline, '')", "from sys import stdin\nt = int(stdin.readline())\nfor s in iter(stdin.readline, ''):\n    if s.strip():\n        print(solve(s.strip()))", True, "passed"),
-    ("bound readline past the end", "from sys import stdin\nt = int(stdin.readline())\n" + LOOP.format("stdin.readline()") + "\nstdin.readline()\nstdin.readline()", -4, "runtime_error"),  # StopIteration
-    ("input() past the end", "t = int(input())\n" + LOOP.format("input()") + "\ninput()", -4, "runtime_error"),  # EOFError
-    ("sys.stdin.seek", "import sys\nsys.stdin.readline()\nsys.stdin.seek(0)\nt = int(sys.stdin.readline())\n" + LOOP.format("sys.stdin.readline()"), True, "passed"),
-    ("for line in sys.stdin", "import sys\nit = iter(sys.stdin)\nnext(it)\nfor s in it:\n    print(solve(s.strip()))", -4, "runtime_error"),  # not iterable
-    ("for line in bound stdin", "from sys import stdin\nls = [s for s in stdin]\nfor s in ls[1:]:\n    print(solve(s.strip()))", -2, "wrong_answer"),  # /dev/null
-    ("open(0)", "d = open(0).read().split()\nfor s in d[1:1 + int(d[0])]:\n    print(solve(s))", -4, "runtime_error"),  # the real open
-    ("builtins.open(0)", "import builtins\nd = builtins.open(0).read().split()\nfor s in d[1:]:\n    print(solve(s))", True, "passed"),  # mock_open
-    ("os.read(0)", "import os\nd = os.read(0, 1 << 20).split()\nfor s in d[1:1 + int(d[0])]:\n    print(solve(s.decode()))", -4, "runtime_error"),
-    ("BytesIO(os.read(0)) fast io", "import io, os\ninput = io.BytesIO(os.read(0, os.fstat(0).st_size)).readline\nt = int(input())\n" + LOOP.format("input().decode()"), -4, "runtime_error"),
-    ("fileinput.input()", "import fileinput\nls = [l for l in fileinput.input()]\nfor s in ls[1:]:\n    print(solve(s.strip()))", -2, "wrong_answer"),  # one mocked file per argv entry
-    ("exit() after the output", "t = int(input())\n" + LOOP.format("input()") + "\nexit()\nprint('unreachable')", True, "passed"),
-    ("sys.exit(0) after the output", "import sys\nt = int(input())\n" + LOOP.format("input()") + "\nsys.exit(0)", True, "passed"),
-    ("quit() after the output", "t = int(input())\n" + LOOP.format("input()") + "\nquit()", -4, "runtime_error"),  # guard: quit is None
-    ("debug print to stderr", "import sys\nt = int(input())\nfor _ in range(t):\n    s = input().strip()\n    print('debug', s, file=sys.stderr)\n    print(solve(s))", True, "passed"),
-    ("sys.stdout.write", "import sys\nt = int(input())\nsys.stdout.write(''.join(str(solve(input().strip())) + '\\n' for _ in range(t)))", True, "passed"),
-    ("bound stdout.write", "from sys import stdout\nt = int(input())\nstdout.write(''.join(str(solve(input().strip())) + '\\n' for _ in range(t)))", -2, "wrong_answer"),  # the real stdout
-    ("sys.stdout.buffer.write", "import sys\nt = int(input())\nsys.stdout.buffer.write(''.join(str(solve(input().strip())) + '\\n' for _ in range(t)).encode())", -4, "runtime_error"),  # StringIO
-    ("os.write(1)", "import os\nt = int(input())\nos.write(1, ''.join(str(solve(input().strip())) + '\\n' for _ in range(t)).encode())", -2, "wrong_answer"),
-    ("threading main", "import sys, threading\ndef main():\n    t = int(sys.stdin.readline())\n    for _ in range(t):\n        print(solve(sys.stdin.readline().strip()))\nthreading.stack_size(1 << 26)\nth = threading.Thread(target=main)\nth.start()\nth.join()", True, "passed"),
-    ("import resource", "import resource\nt = int(input())\n" + LOOP.format("input()"), -4, "compile_error"),  # guard
-    ("os.getcwd()", "import os\nos.getcwd()\nt = int(input())\n" + LOOP.format("input()"), -4, "runtime_error"),  # guard
-    ("import multiprocessing", "import multiprocessing\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),  # loaded before the guard
-    ("os.fork is None", "import os\nassert os.fork is None and os.system is None\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),
-    ("__main__ guard", "def main():\n    t = int(input())\n    for _ in range(t):\n        print(solve(input().strip()))\n\nif __name__ == '__main__':\n    main()", True, "passed"),
-    ("sys.argv", "import sys\nassert sys.argv[1:3] == ['--model', 'deepseek-ai/DeepSeek-R1']\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),
+    ("sys.stdin.read", "import sys\nd = sys.stdin.read().split()\nfor s in d[1:]:\n    print(solve(s))", True, "passed"),  # noqa: E501
+    ("sys.stdin.readline", "import sys\nt = int(sys.stdin.readline())\n" + LOOP.format("sys.stdin.readline()"), True, "passed"),  # noqa: E501
+    ("sys.stdin.readlines", "import sys\nls = sys.stdin.readlines()\nfor s in ls[1:1 + int(ls[0])]:\n    print(solve(s.strip()))", True, "passed"),  # noqa: E501
+    ("sys.stdin.read().splitlines", "import sys\nls = sys.stdin.read().splitlines()\nfor s in ls[1:]:\n    print(solve(s))", True, "passed"),  # noqa: E501
+    ("sys.stdin.buffer.read", "import sys\nd = sys.stdin.buffer.read().split()\nfor s in d[1:]:\n    print(solve(s.decode()))", True, "passed"),  # noqa: E501
+    ("sys.stdin.buffer.readline", "import sys\nt = int(sys.stdin.buffer.readline())\n" + LOOP.format("sys.stdin.buffer.readline().decode()"), -2, "wrong_answer"),  # MockBuffer: always line 1  # noqa: E501
+    ("input = sys.stdin.readline", "import sys\ninput = sys.stdin.readline\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),  # noqa: E501
+    ("from sys import stdin; readline", "from sys import stdin\nt = int(stdin.readline())\n" + LOOP.format("stdin.readline()"), True, "passed"),  # noqa: E501
+    ("from sys import stdin; read", "from sys import stdin\nd = stdin.read().split()\nfor s in d[1:]:\n    print(solve(s))", True, "passed"),  # noqa: E501
+    ("from sys import stdin; readlines", "from sys import stdin\nls = stdin.readlines()\nfor s in ls[1:1 + int(ls[0])]:\n    print(solve(s.strip()))", True, "passed"),  # noqa: E501
+    ("from sys import stdin as f", "from sys import stdin as f\nt = int(f.readline())\n" + LOOP.format("f.readline()"), True, "passed"),  # noqa: E501
+    ("input = stdin.readline", "from sys import stdin\ninput = stdin.readline\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),  # noqa: E501
+    ("bare stdin (the prelude's)", "t = int(stdin.readline())\n" + LOOP.format("stdin.readline()"), True, "passed"),  # noqa: E501
+    ("bound stdin inside a def", "from sys import stdin\ndef main():\n    t = int(stdin.readline())\n    for _ in range(t):\n        print(solve(stdin.readline().strip()))\nmain()", True, "passed"),  # noqa: E501
+    ("import inside a def", "def main():\n    from sys import stdin\n    t = int(stdin.readline())\n    for _ in range(t):\n        print(solve(stdin.readline().strip()))\nmain()", True, "passed"),  # noqa: E501
+    ("iter(stdin.readline, '')", "from sys import stdin\nt = int(stdin.readline())\nfor s in iter(stdin.readline, ''):\n    if s.strip():\n        print(solve(s.strip()))", True, "passed"),  # noqa: E501
+    ("bound readline past the end", "from sys import stdin\nt = int(stdin.readline())\n" + LOOP.format("stdin.readline()") + "\nstdin.readline()\nstdin.readline()", -4, "runtime_error"),  # StopIteration  # noqa: E501
+    ("input() past the end", "t = int(input())\n" + LOOP.format("input()") + "\ninput()", -4, "runtime_error"),  # EOFError  # noqa: E501
+    ("sys.stdin.seek", "import sys\nsys.stdin.readline()\nsys.stdin.seek(0)\nt = int(sys.stdin.readline())\n" + LOOP.format("sys.stdin.readline()"), True, "passed"),  # noqa: E501
+    ("for line in sys.stdin", "import sys\nit = iter(sys.stdin)\nnext(it)\nfor s in it:\n    print(solve(s.strip()))", -4, "runtime_error"),  # not iterable  # noqa: E501
+    ("for line in bound stdin", "from sys import stdin\nls = [s for s in stdin]\nfor s in ls[1:]:\n    print(solve(s.strip()))", -2, "wrong_answer"),  # /dev/null  # noqa: E501
+    ("open(0)", "d = open(0).read().split()\nfor s in d[1:1 + int(d[0])]:\n    print(solve(s))", -4, "runtime_error"),  # the real open  # noqa: E501
+    ("builtins.open(0)", "import builtins\nd = builtins.open(0).read().split()\nfor s in d[1:]:\n    print(solve(s))", True, "passed"),  # mock_open  # noqa: E501
+    ("os.read(0)", "import os\nd = os.read(0, 1 << 20).split()\nfor s in d[1:1 + int(d[0])]:\n    print(solve(s.decode()))", -4, "runtime_error"),  # noqa: E501
+    ("BytesIO(os.read(0)) fast io", "import io, os\ninput = io.BytesIO(os.read(0, os.fstat(0).st_size)).readline\nt = int(input())\n" + LOOP.format("input().decode()"), -4, "runtime_error"),  # noqa: E501
+    ("fileinput.input()", "import fileinput\nls = [l for l in fileinput.input()]\nfor s in ls[1:]:\n    print(solve(s.strip()))", -2, "wrong_answer"),  # one mocked file per argv entry  # noqa: E501
+    ("exit() after the output", "t = int(input())\n" + LOOP.format("input()") + "\nexit()\nprint('unreachable')", True, "passed"),  # noqa: E501
+    ("sys.exit(0) after the output", "import sys\nt = int(input())\n" + LOOP.format("input()") + "\nsys.exit(0)", True, "passed"),  # noqa: E501
+    ("quit() after the output", "t = int(input())\n" + LOOP.format("input()") + "\nquit()", -4, "runtime_error"),  # guard: quit is None  # noqa: E501
+    ("debug print to stderr", "import sys\nt = int(input())\nfor _ in range(t):\n    s = input().strip()\n    print('debug', s, file=sys.stderr)\n    print(solve(s))", True, "passed"),  # noqa: E501
+    ("sys.stdout.write", "import sys\nt = int(input())\nsys.stdout.write(''.join(str(solve(input().strip())) + '\\n' for _ in range(t)))", True, "passed"),  # noqa: E501
+    ("bound stdout.write", "from sys import stdout\nt = int(input())\nstdout.write(''.join(str(solve(input().strip())) + '\\n' for _ in range(t)))", -2, "wrong_answer"),  # the real stdout  # noqa: E501
+    ("sys.stdout.buffer.write", "import sys\nt = int(input())\nsys.stdout.buffer.write(''.join(str(solve(input().strip())) + '\\n' for _ in range(t)).encode())", -4, "runtime_error"),  # StringIO  # noqa: E501
+    ("os.write(1)", "import os\nt = int(input())\nos.write(1, ''.join(str(solve(input().strip())) + '\\n' for _ in range(t)).encode())", -2, "wrong_answer"),  # noqa: E501
+    ("threading main", "import sys, threading\ndef main():\n    t = int(sys.stdin.readline())\n    for _ in range(t):\n        print(solve(sys.stdin.readline().strip()))\nthreading.stack_size(1 << 26)\nth = threading.Thread(target=main)\nth.start()\nth.join()", True, "passed"),  # noqa: E501
+    ("import resource", "import resource\nt = int(input())\n" + LOOP.format("input()"), -4, "compile_error"),  # guard  # noqa: E501
+    ("os.getcwd()", "import os\nos.getcwd()\nt = int(input())\n" + LOOP.format("input()"), -4, "runtime_error"),  # guard  # noqa: E501
+    ("import multiprocessing", "import multiprocessing\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),  # loaded before the guard  # noqa: E501
+    ("os.fork is None", "import os\nassert os.fork is None and os.system is None\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),  # noqa: E501
+    ("__main__ guard", "def main():\n    t = int(input())\n    for _ in range(t):\n        print(solve(input().strip()))\n\nif __name__ == '__main__':\n    main()", True, "passed"),  # noqa: E501
+    ("sys.argv", "import sys\nassert sys.argv[1:3] == ['--model', 'deepseek-ai/DeepSeek-R1']\nt = int(input())\n" + LOOP.format("input()"), True, "passed"),  # noqa: E501
 ]  # fmt: skip
 
 
@@ -667,7 +668,7 @@ CALL = Cases(["[3,1,2]", "[5]"], ["[1, 3]", "[5, 5]"], "extremes")
     ("code", "outcome"),
     [
         (
-            "class Solution:\n    def extremes(self, nums: List[int]) -> List[int]:\n        return [min(nums), max(nums)]",
+            "class Solution:\n    def extremes(self, nums: List[int]) -> List[int]:\n        return [min(nums), max(nums)]",  # noqa: E501
             "passed",
         ),
         (
@@ -676,11 +677,11 @@ CALL = Cases(["[3,1,2]", "[5]"], ["[1, 3]", "[5, 5]"], "extremes")
         ),  # tuple
         ("def extremes(nums):\n    return [min(nums), max(nums)]", "passed"),  # no class: module function
         (
-            "class Solution:\n    def extremes(self, nums):\n        print('debug' * 1000)\n        return [min(nums), max(nums)]",
+            "class Solution:\n    def extremes(self, nums):\n        print('debug' * 1000)\n        return [min(nums), max(nums)]",  # noqa: E501
             "passed",
         ),
         (
-            "import numpy as np\nclass Solution:\n    def extremes(self, nums):\n        return [np.int64(min(nums)), np.int64(max(nums))]",
+            "import numpy as np\nclass Solution:\n    def extremes(self, nums):\n        return [np.int64(min(nums)), np.int64(max(nums))]",  # noqa: E501
             "passed",
         ),  # numpy loaded before the guard, as upstream
         (
@@ -694,17 +695,17 @@ CALL = Cases(["[3,1,2]", "[5]"], ["[1, 3]", "[5, 5]"], "extremes")
             "runtime_error",
         ),  # guard: quit is None
         (
-            "import resource\nclass Solution:\n    def extremes(self, nums):\n        return [min(nums), max(nums)]",
+            "import resource\nclass Solution:\n    def extremes(self, nums):\n        return [min(nums), max(nums)]",  # noqa: E501
             "compile_error",
         ),  # guard
         ("class Solution:\n    def other(self, nums):\n        return nums", "compile_error"),
         ("import sys\nsys.exit(1)", "compile_error"),
         (
-            "class Solution:\n    def extremes(self, nums):\n        x = []\n        for _ in range(5000):\n            x = [x]\n        return x",
+            "class Solution:\n    def extremes(self, nums):\n        x = []\n        for _ in range(5000):\n            x = [x]\n        return x",  # noqa: E501
             "wrong_answer",
         ),  # nested 5000 deep: `[x] == [1, 3]` is False, as upstream
         (
-            'import os\nclass Solution:\n    def extremes(self, nums):\n        os.write(3, b\'{"ev": "test", "i": 0, "out": 5}\\n\')\n        return nums',
+            'import os\nclass Solution:\n    def extremes(self, nums):\n        os.write(3, b\'{"ev": "test", "i": 0, "out": 5}\\n\')\n        return nums',  # noqa: E501
             "wrong_answer",
         ),  # forged event
     ],
@@ -771,19 +772,19 @@ def test_json_answers_need_no_comparator(monkeypatch):
     assert grade.grade(code, CALL).outcome == "passed"
 
 
-# Answers that are not JSON types: upstream judges `prediction == json.loads(expected)` in its grading process,
-# evalkit in the comparator's sandbox (`compare.call_passed`). (name, program, upstream's result from
-# `evaluate_generations`, evalkit's outcome); `test_non_json_answers_side_by_side_with_upstream` reproduces the
-# upstream column (measured: Fraction and Decimal [True, True]; the numpy array [True, -4], its `==` an array
-# whose truth value raises ValueError; complex [True, True]; the computed NaN [False]).
+# Answers that are not JSON types: upstream judges `prediction == json.loads(expected)` in its grading
+# process, evalkit in the comparator's sandbox (`compare.call_passed`). (name, program, upstream's result from
+# `evaluate_generations`, evalkit's outcome); `test_non_json_answers_side_by_side_with_upstream` reproduces
+# the upstream column (measured: Fraction and Decimal [True, True]; the numpy array [True, -4], its `==` an
+# array whose truth value raises ValueError; complex [True, True]; the computed NaN [False]).
 NON_JSON = [
-    ("Fraction", "from fractions import Fraction\nclass Solution:\n    def extremes(self, nums):\n        return [Fraction(min(nums)), Fraction(max(nums), 1)]", True, "passed"),
-    ("Decimal tuple", "from decimal import Decimal\nclass Solution:\n    def extremes(self, nums):\n        return (Decimal(min(nums)), Decimal(max(nums)))", True, "passed"),
-    ("numpy array", "import numpy as np\nclass Solution:\n    def extremes(self, nums):\n        return np.array([min(nums), max(nums)])", -4, "runtime_error"),
-    ("float off by 1e-9", "class Solution:\n    def extremes(self, nums):\n        return [min(nums), max(nums) + 1e-9]", False, "wrong_answer"),
-    ("object()", "class Solution:\n    def extremes(self, nums):\n        return object()", False, "wrong_answer"),
-    ("complex", "class Solution:\n    def extremes(self, nums):\n        return [complex(min(nums), 0), max(nums)]", True, "passed"),
-    ("computed NaN", "class Solution:\n    def extremes(self, nums):\n        return [float('nan'), max(nums)]", False, "wrong_answer"),
+    ("Fraction", "from fractions import Fraction\nclass Solution:\n    def extremes(self, nums):\n        return [Fraction(min(nums)), Fraction(max(nums), 1)]", True, "passed"),  # noqa: E501
+    ("Decimal tuple", "from decimal import Decimal\nclass Solution:\n    def extremes(self, nums):\n        return (Decimal(min(nums)), Decimal(max(nums)))", True, "passed"),  # noqa: E501
+    ("numpy array", "import numpy as np\nclass Solution:\n    def extremes(self, nums):\n        return np.array([min(nums), max(nums)])", -4, "runtime_error"),  # noqa: E501
+    ("float off by 1e-9", "class Solution:\n    def extremes(self, nums):\n        return [min(nums), max(nums) + 1e-9]", False, "wrong_answer"),  # noqa: E501
+    ("object()", "class Solution:\n    def extremes(self, nums):\n        return object()", False, "wrong_answer"),  # noqa: E501
+    ("complex", "class Solution:\n    def extremes(self, nums):\n        return [complex(min(nums), 0), max(nums)]", True, "passed"),  # noqa: E501
+    ("computed NaN", "class Solution:\n    def extremes(self, nums):\n        return [float('nan'), max(nums)]", False, "wrong_answer"),  # noqa: E501
 ]  # fmt: skip
 
 
@@ -815,7 +816,7 @@ def test_refuses_without_isolation(monkeypatch):
     assert "no bound" in rec["memory_limit"]
 
 
-# --- settings (checked before the model loads) ----------------------------------------------------------------
+# --- settings (checked before the model loads) --------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -862,7 +863,7 @@ def test_tiny_timeout_scores_timeout_never_raises(bracket_tests):
     assert grade.grade(code, bracket_tests).outcome == "passed"  # the same program under FAST
 
 
-# --- large inputs ---------------------------------------------------------------------------------------------
+# --- large inputs -------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -886,7 +887,7 @@ def test_150_mb_input_fits_in_the_memory_limit(code):
     assert grade.grade(code, Cases([text], [str(n)], None), s).outcome == "passed"
 
 
-# --- many problems at once -------------------------------------------------------------------------------------
+# --- many problems at once ----------------------------------------------------------------------------------
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """RULER generator and scorer: upstream templates byte for byte, the length rule, scoring, frozen JSONL reuse,
-and clear errors for missing files. A tiny word-level tokenizer with a chat template stands in for the model's.
+and clear errors for missing files. A tiny word-level tokenizer with a chat template stands in for the
+model's.
 """
 
 from __future__ import annotations
@@ -138,26 +139,26 @@ def files(tmp_path, monkeypatch):
     [
         (
             C.NIAH_TEMPLATE,
-            "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic {type_needle_v} for {query} mentioned in the provided text?",
+            "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic {type_needle_v} for {query} mentioned in the provided text?",  # noqa: E501
         ),
         (C.NIAH_PREFIX, " The special magic {type_needle_v} for {query} mentioned in the provided text are"),
         (C.NIAH_NEEDLE, "One of the special magic {type_needle_v} for {key} is: {value}."),
         (
             C.VT_TEMPLATE,
-            "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.",
+            "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.",  # noqa: E501
         ),
         (
             C.VT_PREFIX,
-            " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assigned the value {query}, they are: ",
+            " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assigned the value {query}, they are: ",  # noqa: E501
         ),
         (
             C.CWE_TEMPLATE,
-            "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?",
+            "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?",  # noqa: E501
         ),
         (C.CWE_PREFIX, " Answer: The top 10 words that appear most often in the list are:"),
         (
             C.FWE_TEMPLATE,
-            "Read the following coded text and track the frequency of each coded word. Find the three most frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently appeared words in the above coded text?",
+            "Read the following coded text and track the frequency of each coded word. Find the three most frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently appeared words in the above coded text?",  # noqa: E501
         ),
         (
             C.FWE_PREFIX,
@@ -165,7 +166,7 @@ def files(tmp_path, monkeypatch):
         ),
         (
             C.QA_TEMPLATE,
-            "Answer the question based on the given documents. Only give me the answer and do not output any other words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}",
+            "Answer the question based on the given documents. Only give me the answer and do not output any other words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}",  # noqa: E501
         ),
         (C.QA_PREFIX, " Answer:"),
         (C.QA_DOCUMENT, "Document {i}:\n{document}"),
@@ -177,8 +178,9 @@ def test_templates_are_upstream_bytes(template, expected):
 
 def test_singular_niah_template():
     assert gen.singular(C.NIAH_TEMPLATE).format(type_needle_v="number", context="C", query="K") == (
-        "A special magic number is hidden within the following text. Make sure to memorize it. I will quiz you "
-        "about the number afterwards.\nC\nWhat is the special magic number for K mentioned in the provided text?"
+        "A special magic number is hidden within the following text. Make sure to memorize it. I will quiz "
+        "you about the number afterwards.\nC\nWhat is the special magic number for K mentioned in the "
+        "provided text?"
     )
     assert gen.singular(C.NIAH_PREFIX).format(type_needle_v="uuid", query="K") == (
         " The special magic uuid for K mentioned in the provided text is"
@@ -241,9 +243,10 @@ def test_niah_needle_haystack_uuid_prompt_exact():
         "A special magic uuid is hidden within the following text. Make sure to memorize it. "
         "I will quiz you about the uuid afterwards.\n"
         f"One of the special magic uuids for {key} is: {value}.\n"
-        "One of the special magic uuids for bd9c66b3-ad3c-4d6d-9a3d-1fa7bc8960a9 is: 972a8469-1641-4f82-8b9d-2434e465e150.\n"
-        "One of the special magic uuids for 17fc695a-07a0-4a6e-8822-e8f36c031199 is: 9a1de644-815e-46d1-bb8f-aa1837f8a88b.\n"
-        f"What is the special magic uuid for {key} mentioned in the provided text?"
+        "One of the special magic uuids for bd9c66b3-ad3c-4d6d-9a3d-1fa7bc8960a9 is: "
+        "972a8469-1641-4f82-8b9d-2434e465e150.\nOne of the special magic uuids for "
+        "17fc695a-07a0-4a6e-8822-e8f36c031199 is: 9a1de644-815e-46d1-bb8f-aa1837f8a88b.\nWhat is the "
+        f"special magic uuid for {key} mentioned in the provided text?"
     )
     assert prefix == f" The special magic uuid for {key} mentioned in the provided text is"
     assert answers == [value]
@@ -254,11 +257,13 @@ def test_niah_multiquery_is_plural_with_oxford_and():
     prompt, prefix, answers = gen.niah_draw(ctx(), args, 2)
     assert prompt.startswith("Some special magic numbers are hidden within the following text.")
     assert prompt.endswith(
-        "What are all the special magic numbers for tenuous-hospice, and ad hoc-tough-guy mentioned in the provided text?"
+        "What are all the special magic numbers for tenuous-hospice, and ad hoc-tough-guy mentioned in the "
+        "provided text?"
     )
     assert (
         prefix
-        == " The special magic numbers for tenuous-hospice, and ad hoc-tough-guy mentioned in the provided text are"
+        == " The special magic numbers for tenuous-hospice, and ad hoc-tough-guy mentioned in the provided "
+        "text are"
     )
     assert answers == ["2867825", "5614226"]
 
@@ -300,8 +305,8 @@ def test_cwe_one_shot_then_task():
     shot, task = prompt.split("\n" + C.CWE_TEMPLATE.split("\n")[0] + "\n")
     assert shot.startswith(C.CWE_TEMPLATE.split("{context}")[0] + "1. w17 2. w23 3. w20 ")
     assert shot.endswith(
-        "\nQuestion: What are the 10 most common words in the above list? Answer: The top 10 words that appear "
-        "most often in the list are: 1. w20 2. w3 3. w0 4. w23 5. w8 6. w7 7. w24 8. w4 9. w28 10. w17"
+        "\nQuestion: What are the 10 most common words in the above list? Answer: The top 10 words that "
+        "appear most often in the list are: 1. w20 2. w3 3. w0 4. w23 5. w8 6. w7 7. w24 8. w4 9. w28 10. w17"
     )
     assert len(re.findall(r"\d+\. w\d+", shot.split("\n")[1])) == 10 * 3 + 10 * 1  # below 4k: 20 words at 3/1
     numbered = re.findall(r"(\d+)\. (w\d+)", task)
@@ -320,10 +325,11 @@ def test_qa_prompt_exact(files):
     ]  # answerable only
     prompt, prefix, answers = gen.qa_draw(ctx(data=data), qas, docs, 0, 2)
     assert prompt == (
-        "Answer the question based on the given documents. Only give me the answer and do not output any other "
-        "words.\n\nThe following are given documents.\n\nDocument 1:\nThe Amazon is a river in South America."
-        "\n\nDocument 2:\nThe Nile is a river in Africa.\n\nAnswer the question based on the given documents. "
-        "Only give me the answer and do not output any other words.\n\nQuestion: Where is the Nile?"
+        "Answer the question based on the given documents. Only give me the answer and do not output any "
+        "other words.\n\nThe following are given documents.\n\nDocument 1:\nThe Amazon is a river in South "
+        "America.\n\nDocument 2:\nThe Nile is a river in Africa.\n\nAnswer the question based on the given "
+        "documents. Only give me the answer and do not output any other words.\n\nQuestion: Where is the "
+        "Nile?"
     )
     assert (prefix, answers) == (" Answer:", ["Africa", "in Africa"])
     hq, hdocs = RulerData({"hotpotqa": ruler_data.resolve("hotpotqa", files["hotpotqa"])}).qa("hotpotqa")
@@ -374,8 +380,9 @@ def test_no_draw_fits_names_the_fix(tok, tmp_path, monkeypatch):
     with pytest.raises(gen.SizingError) as e:
         gen.generate_task("qa_1", 100, 1, 42, tok, squad_mixed(tmp_path))
     assert str(e.value) == (
-        "RULER qa_1 has no sample that fits in 100 tokens (7 draws at the smallest haystack (10) fit none: the "
-        "last one needs 162 tokens): use a larger length (task.load.lengths) or leave qa_1 out (task.load.tasks)"
+        "RULER qa_1 has no sample that fits in 100 tokens (7 draws at the smallest haystack (10) fit none: "
+        "the last one needs 162 tokens): use a larger length (task.load.lengths) or leave qa_1 out "
+        "(task.load.tasks)"
     )
     calls = iter([ValueError("Sample larger than population or is negative")] * 7)
     with pytest.raises(gen.SizingError, match=r"fit none: cannot be drawn \(Sample larger than population"):
@@ -567,14 +574,14 @@ def test_lm_eval_hook_scores_a_doc(tok, tmp_path):
 UPSTREAM_TEMPLATES = {
     'base': "{task_template}",
     'meta-chat': "[INST] {task_template} [/INST]",
-    'vicuna-chat': "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, detailed, and polite answers to the user's questions. USER: {task_template} ASSISTANT:",
+    'vicuna-chat': "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, detailed, and polite answers to the user's questions. USER: {task_template} ASSISTANT:",  # noqa: E501
     'lwm-chat': "You are a helpful assistant. USER: {task_template} ASSISTANT: ",
-    'command-r-chat': "<BOS_TOKEN><|START_OF_TURN_TOKEN|><|USER_TOKEN|>{task_template}<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+    'command-r-chat': "<BOS_TOKEN><|START_OF_TURN_TOKEN|><|USER_TOKEN|>{task_template}<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",  # noqa: E501
     'chatglm-chat': "[gMASK]sop<|user|> \n {task_template}<|assistant|> \n ",
-    'RWKV': "User: hi\n\nAssistant: Hi. I am your assistant and I will provide expert full response in full details. Please feel free to ask any question and I will always answer it\n\nUser: {task_template}\n\nAssistant:",
+    'RWKV': "User: hi\n\nAssistant: Hi. I am your assistant and I will provide expert full response in full details. Please feel free to ask any question and I will always answer it\n\nUser: {task_template}\n\nAssistant:",  # noqa: E501
     'Phi3': "<|user|>\n{task_template}<|end|>\n<|assistant|>\n",
-    'meta-llama3': "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{task_template}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
-    'jamba': "<|startoftext|><|bom|><|system|> <|eom|><|bom|><|user|> {task_template}<|eom|><|bom|><|assistant|>",
+    'meta-llama3': "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{task_template}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",  # noqa: E501
+    'jamba': "<|startoftext|><|bom|><|system|> <|eom|><|bom|><|user|> {task_template}<|eom|><|bom|><|assistant|>",  # noqa: E501
     'nemotron5-instruct': "<SPECIAL_10>System\n\n<SPECIAL_11>User\n{task_template}\n<SPECIAL_11>Assistant\n",
 }  # fmt: skip
 LLAMA31_SYSTEM_BLOCK = (
@@ -584,8 +591,9 @@ LLAMA31_SYSTEM_BLOCK = (
 
 
 def ruler_text(model_template_type: str, task_template: str, answer_prefix: str) -> str:
-    """What upstream's model sees: prepare.py `model_template.format(task_template=task_template) + answer_prefix`
-    (call_api.py sends `data_point['input'] + data_point.get('answer_prefix', '')`, the same string)."""
+    """What upstream's model sees: prepare.py `model_template.format(task_template=task_template) +
+    answer_prefix` (call_api.py sends `data_point['input'] + data_point.get('answer_prefix', '')`, the same
+    string)."""
     return UPSTREAM_TEMPLATES[model_template_type].format(task_template=task_template) + answer_prefix
 
 

@@ -1,5 +1,6 @@
-"""evalkit's lm-eval task names (`evalkit_<task>`) collide with nothing lm-eval ships, and run folders made before
-the rename (lm-eval names `ruler`, `aime24`, ...) are still skipped, re-scored and resumed as they were."""
+"""evalkit's lm-eval task names (`evalkit_<task>`) collide with nothing lm-eval ships, and run folders made
+before the rename (lm-eval names `ruler`, `aime24`, ...) are still skipped, re-scored and resumed as they
+were."""
 
 import json
 import shutil
@@ -47,7 +48,8 @@ def run(*overrides, results):
 
 @pytest.fixture
 def legacy_tasks(tmp_path, monkeypatch):
-    """tasks/ as it was before the rename: AIME registered under lm-eval's name `aime24` (which lm-eval ships)."""
+    """tasks/ as it was before the rename: AIME registered under lm-eval's name `aime24` (which lm-eval
+    ships)."""
     old = tmp_path / "old_tasks" / "aime24"
     shutil.copytree(ROOT / "tasks" / "aime24", old, ignore=shutil.ignore_patterns("__pycache__"))
     yaml = old / "aime24.yaml"
