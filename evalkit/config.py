@@ -34,7 +34,8 @@ def check_choice(group: str, name: str) -> None:
 
 def compose(config_name: str = "eval", overrides: list[str] | None = None) -> DictConfig:
     """The resolved config as `python -m evalkit <overrides>` would see it (single run). Inside a Hydra app
-    (`python -m evalkit`, whose search path is this same conf/) Hydra is initialized already: compose there."""
+    (`python -m evalkit`, whose search path is this same conf/) Hydra is initialized already: compose
+    there."""
     from hydra.core.global_hydra import GlobalHydra
 
     if GlobalHydra.instance().is_initialized():

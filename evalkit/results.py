@@ -203,7 +203,7 @@ def git_sha() -> str | None:
 
 
 def hardware() -> str:
-    """Where this process computes: the GPUs torch sees, else the CPU and its cores (plots and tables name it)."""
+    """Where this process computes: the GPUs torch sees, else the CPU and its cores (plot titles name it)."""
     import platform
 
     import torch
