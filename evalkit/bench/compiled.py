@@ -39,7 +39,7 @@ ALL_MODES = ("eager", "static", "compiled")
 MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
 ATTENTION = "scaled_dot_product"  # in the name of every sdpa kernel (flash, math, efficient, cudnn)
 PROFILED_STEPS = 3
-# the issue's target: compiled SnapStream-512 >= 1.5x eager tok/s at 4k, its step within 2x of the memory
+# the target: compiled SnapStream-512 >= 1.5x eager tok/s at 4k, its step within 2x of the memory
 # floor
 TARGET = {"config": "snapstream_512", "prompt_tokens": 4096, "speedup": 1.5, "pct_of_floor": 200.0}
 
@@ -249,7 +249,7 @@ def run(ctx: Context) -> list[dict]:
 
 
 def target_line(rows: list[dict]) -> str:
-    """The issue's target, read off this run's rows: reached or not, with the measured figures and why."""
+    """The target, read off this run's rows: reached or not, with the measured figures and why."""
     want = (
         f"compiled {TARGET['config']} decode >= {TARGET['speedup']}x eager tok/s at "
         f"{TARGET['prompt_tokens']} prompt tokens, its step within {TARGET['pct_of_floor'] / 100:g}x of the "
