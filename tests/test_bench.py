@@ -450,7 +450,7 @@ def target_row(speedup, pct, **over) -> dict:
 
 
 def test_summary_states_the_target_as_measured():
-    """The issue's target (compiled SnapStream-512 >= 1.5x eager at 4k, within 2x of the floor) is read off
+    """The target (compiled SnapStream-512 >= 1.5x eager at 4k, within 2x of the floor) is read off
     the 4096-token SnapStream-512 row: the measured figures, reached or not, and the profile's reason when
     not."""
     other = target_row(3.0, 90.0, prompt_tokens=2048)  # another length: not the target's row

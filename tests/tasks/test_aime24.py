@@ -40,7 +40,7 @@ def test_prompt_is_problem_newline_r1_instruction():
         ("\\boxed{12} and a cut-off \\boxed{3", "12"),  # an unclosed last box is passed over
         ("\\fbox{ 25 }", " 25 "),
         ("\\boxed {7}", "7"),  # spaces before the brace
-        ("$\\boxed 73$", "73"),  # the case: no braces, ends with the math
+        ("$\\boxed 73$", "73"),  # a reported case: no braces, ends with the math
         ("so \\boxed73.", "73"),  # TeX ends a control word at a digit; a sentence's full stop is dropped
         ("\\[\\boxed 5\\] and \\(\\boxed 6\\)", "6"),
         ("\\boxed 204\nThat is all.", "204"),  # a brace-less box ends with its line
@@ -96,7 +96,7 @@ def test_box_deviations_from_qwen_math_are_deliberate(response, qwen, evalkit):
 @pytest.mark.parametrize(
     "response, answer, expected",
     [
-        # the five: judged wrong (or not found) by the hand-written normaliser
+        # five reported cases: judged wrong (or not found) by the hand-written normaliser
         ("\\boxed{204 \\text{ minutes}}", "204", (True, "boxed")),  # README: "Units in text handling"
         ("\\boxed{23 \\text{ (p+q)}}", "23", (True, "boxed")),
         # README FAQ: gold `101` vs a chain `a+2z = 2z + a = 101` "will return True" (gold first: reversed,
