@@ -27,22 +27,19 @@ metrics.json; a resumed run whose server reports another model or version is ref
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
-import requests
 from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompletionsAPI
 from omegaconf import OmegaConf
 
 from evalkit.config import ConfigError
 from evalkit.journal import journal_record, journaled, keyed
-from evalkit.models import ModelLoadError, ModelSpec, tokenizer_path
+from evalkit.models import ModelSpec, tokenizer_path
 from evalkit.request import (
     Prompt,
     finish_text,
@@ -54,18 +51,19 @@ from evalkit.request import (
     request_seed,
     stop_strings,
 )
-from evalkit.results import write_json
 from evalkit.sample import TEMPLATE_KEY
+from evalkit.server import (  # noqa: F401  the server's checks, re-exported for their callers
+    IDENTITY,
+    ServedError,
+    identity,
+    pin_server,
+    provenance,
+    server_report,
+)
 
 APIS = ("completions", "chat")
-TRANSIENT = {408, 409, 425, 429}  # and every 5xx: worth another attempt; any other 4xx is final
 # /models entry fields that identify what is served (others, like `created`, change on every call)
-IDENTITY = ("id", "root", "parent", "owned_by", "max_model_len")
-
-
-class ServedError(ModelLoadError):
-    """The served model could not be used (server down, another model, a refused request); the message says
-    which and how to fix it. A ModelLoadError: the runner reports it as `evalkit: error:` and exits."""
+TRANSIENT = {408, 409, 425, 429}  # and every 5xx: worth another attempt; any other 4xx is final
 
 
 @dataclass
@@ -137,7 +135,7 @@ class ServedSpec(ModelSpec):
         return self.base_url.rstrip("/")
 
     # --- ModelBackend: generation by the server -------------------------------------------------------------
-    def make_lm(self, plans: list, context: int, load) -> _Served:
+    def make_lm(self, plans: list, context: int, load):
         """The served LM for the one plan (method full), after the server was checked and pinned to its
         folder; nothing is loaded here (`load` is not called): prompts are rendered with the tokenizer
         alone."""
@@ -160,96 +158,6 @@ class ServedSpec(ModelSpec):
 
 
 # --- the server: what it serves, before any request ---------------------------------------------------------
-def server_report(spec: ServedSpec, context: int) -> dict:
-    """GET /models (and the optional /version, /info): what the server serves and says about itself. Raises
-    ServedError when it is unreachable, serves another model, or serves a smaller context than evalkit
-    assumes."""
-    models, header = _get(spec, f"{spec.root}/models", required=True)
-    data = models.get("data") if isinstance(models, dict) else None
-    if not isinstance(data, list):
-        raise ServedError(f"{spec.root}/models answered {str(models)[:200]!r}, not an OpenAI model list")
-    ids = [m.get("id") for m in data if isinstance(m, dict)]
-    if spec.model_id is None and len(ids) != 1:
-        raise ServedError(f"{spec.root} serves {ids}: set model.model_id to one of them")
-    entry = next((m for m in data if isinstance(m, dict) and m.get("id") == (spec.model_id or ids[0])), None)
-    if entry is None:
-        raise ServedError(f"{spec.root} serves {ids}; model.model_id={spec.model_id!r} is not one of them")
-    served_len = entry.get("max_model_len")
-    if isinstance(served_len, int) and served_len < context:
-        raise ServedError(
-            f"{entry['id']} is served with a context of {served_len} tokens, evalkit assumes "
-            f"{context}: set model.max_length={served_len}"
-        )
-    server = urlsplit(spec.root)._replace(path="").geturl()
-    about = {name: _get(spec, f"{server}/{name}")[0] for name in ("version", "info")}
-    return {
-        "base_url": spec.root,
-        "api": spec.api,
-        "model": entry,
-        "server_header": header,
-        **{name: body for name, body in about.items() if body is not None},
-        "checked_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-    }
-
-
-def identity(report: dict) -> dict:
-    """The part of a report that must not change while a run is generating: the model and the server build."""
-    return {
-        "model": {k: report["model"].get(k) for k in IDENTITY},
-        "server_header": report.get("server_header"),
-        "version": report.get("version"),
-        "info": report.get("info"),
-    }
-
-
-def _get(spec: ServedSpec, url: str, required: bool = False):
-    """(JSON body, `server` header) of a GET; for an optional endpoint (None, None) when it has none."""
-    try:
-        r = requests.get(url, timeout=min(spec.timeout_s, 30), headers=_auth())
-    except requests.RequestException as e:
-        if not required:
-            return None, None
-        raise ServedError(
-            f"cannot reach the server at {spec.root} (GET {url}: {type(e).__name__}); start it "
-            "or fix model.base_url"
-        ) from None
-    if not r.ok or "json" not in r.headers.get("content-type", ""):
-        if not required:
-            return None, None
-        raise ServedError(f"GET {url} answered HTTP {r.status_code}: {r.text[:300]!r}")
-    return r.json(), r.headers.get("server")
-
-
-def _auth() -> dict:
-    key = os.environ.get(
-        "OPENAI_API_KEY", ""
-    )  # what lm-eval's local-completions sends; empty for local servers
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-def pin_server(out: Path, report: dict) -> None:
-    """Keep the report in the run folder; a run that resumes against another model or server build is
-    refused."""
-    path = Path(out) / "server.json"
-    if path.exists():
-        before = json.loads(path.read_text())
-        if identity(before) != identity(report):
-            raise ServedError(
-                f"{out} was generated by {json.dumps(identity(before))}, the server now reports "
-                f"{json.dumps(identity(report))}: a run never mixes two servers' generations. Point "
-                "model.base_url at the same server, or delete the folder to run again."
-            )
-        return
-    write_json(path, report)
-
-
-def provenance(out: Path) -> dict | None:
-    """What the server reported when the run generated (metrics.json `served`)."""
-    path = Path(out) / "server.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-# --- the lm-eval model --------------------------------------------------------------------------------------
 class _Transient(RuntimeError):
     """Worth another attempt (lm-eval's retry loop retries what amodel_call raises)."""
 
