@@ -10,6 +10,9 @@ exits and the kernel kills everything left in the PID namespace. B reports on th
 the isolation it achieved, P's wait status, or an error.
 B answers SIGTERM by killing I's process group; B is a subreaper, and after I it kills and reaps every orphan
 that came to it, so no process outlives the run and no zombie is left to PID 1.
+
+One file although long: it is executed from a memfd inside the new namespaces, where no sibling module can be
+imported, so everything the bootstrap does must travel in this one source.
 """
 
 import contextlib

@@ -1,5 +1,8 @@
 """Host side of the sandbox: the per-run directory and uid, spawning the bootstrap, pumping its pipes under a
-watchdog, killing and reaping. The public surface is in `evalkit.sandbox`."""
+watchdog, killing and reaping. The public surface is in `evalkit.sandbox`.
+
+One module although long: every part serves one run's life (its uid slot, its locked run dir, its view, its
+cgroup, its pipes), and each cleanup must see all of them; split, the pieces would pass that state around."""
 
 from __future__ import annotations
 
