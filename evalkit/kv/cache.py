@@ -214,7 +214,9 @@ class KVCache(Cache):
             self._check_one(q, "a ring cache decodes one token per forward after prefill", "not supported")
             self._slot = ring_slot(position, min(self.method.blocks()[0], rows.n), self._tail)
             self.filled += self._slot == self.filled  # valid slots stay a prefix: the first empty one is next
-            self.visible = self.filled  # attention reads the valid prefix, unmasked
+            # attention reads the valid prefix unmasked: the keys are the full cache's, in the same order, so the
+            # short-prompt equivalence is exact
+            self.visible = self.filled
         else:
             if self.method.budget is not None:
                 why = "compressed at prefill, so it decodes one token per forward"
@@ -224,7 +226,10 @@ class KVCache(Cache):
                 rows.valid = torch.cat([rows.valid, grown], 1)
             self._slot, self.used = self.used, self.used + q
             self.visible = self.used
-        self._pos = position if q == 1 else torch.arange(position, position + q, dtype=torch.int32)
+        if q == 1:
+            self._pos = position
+        else:  # (q,) positions of a multi-token continuation
+            self._pos = torch.arange(position, position + q, dtype=torch.int32, device=rows.valid.device)
         rows.next_pos += q
         self.seen += q
         self.step += 1
