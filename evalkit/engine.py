@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from transformers import GenerationConfig
+from transformers import CompileConfig, GenerationConfig
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -30,10 +30,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from evalkit.kv import KVCache
+from evalkit.kv.cache import KVCache
 from evalkit.kv.layout import slots_needed
 from evalkit.kv.pool import SlotPool
 from evalkit.kv.prefill import PrefillRecord, shared_prefill
+from evalkit.kv.static import compile_config
 
 
 @dataclass(eq=False)
@@ -49,6 +50,8 @@ class Request:
     replay: PrefillRecord | None = None  # take the prefill from this record instead of running it
     tag: object = None  # the caller's
     replayed: bool = False  # set at prefill: the prefill came from a record
+    min_new: int = 0  # EOS is suppressed until this many tokens (transformers' min_new_tokens)
+    keep_logits: bool = False  # keep each step's raw float32 logits (transformers' output_logits)
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Done:
     tokens: list[int]  # generated, the EOS included when it ended there
     ended: str  # "eos", "stop" or "limit"
     stats: dict  # the row's KV figures, timing
+    logits: list[torch.Tensor] | None = None  # (V,) float32 per generated token, when the request kept them
 
 
 @dataclass(eq=False)
@@ -68,12 +72,13 @@ class _Row:
     warpers: LogitsProcessorList
     prefill_s: float
     share_s: float = 0.0  # this row's share of the decode steps' wall time
+    logits: list[torch.Tensor] | None = None  # kept raw logits, (V,) each
 
 
 class Engine:
     """Decode many requests through one pool of `rows` rows. `continuous=False` is static batching (a batch is
     refilled only when all its rows are done), kept for comparison. `compile=True` compiles the decode step once
-    per (rows, slots) shape (`evalkit.kv.generate.compile_config`)."""
+    per (rows, slots) shape (`evalkit.kv.static.compile_config`)."""
 
     def __init__(
         self, model, tokenizer, eos_ids: list[int], rows: int, continuous: bool = True, compile=False
@@ -84,10 +89,10 @@ class Engine:
         self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         if (
             compile
-        ):  # True (inductor) or a torch.compile backend; transformers' own compiled call, as generate's
-            from evalkit.kv.generate import compile_config
-
-            cfg = compile_config(model, backend="inductor" if compile is True else compile)
+        ):  # True (inductor), a torch.compile backend or a CompileConfig: transformers' compiled call
+            cfg = compile
+            if not isinstance(compile, CompileConfig):
+                cfg = compile_config(model, backend="inductor" if compile is True else compile)
             self.step_fn = model.get_compiled_call(cfg)
         self.pool: SlotPool | None = None
         self.steps = 0
@@ -98,6 +103,8 @@ class Engine:
         # the progress bar's rates: prefill and decode apart (a prefill of 2k tokens is not slow decoding)
         self.prefill_s = self.decode_s = 0.0
         self.prefill_tokens = self.decode_tokens = 0
+        # bytes of one row's slot per layer (K and V), from the first prefill
+        self.layer_bytes: list[int] = []
 
     # --- the loop ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -135,6 +142,7 @@ class Engine:
                 req = queue.popleft()
                 start = time.perf_counter()
                 cache, logits = self._prefill(req)
+                self.layer_bytes = self.layer_bytes or [lay.entry_bytes() for lay in cache.layers]
                 row = self._new_row(req, time.perf_counter() - start)
                 self.prefill_s += row.prefill_s
                 self.prefill_tokens += len(req.ids)
@@ -168,7 +176,7 @@ class Engine:
         finished = []
         for r in active:
             row = live[r]
-            if row.generator is not None:
+            if row.generator is not None or row.logits is not None or len(row.tokens) < row.request.min_new:
                 chosen[r] = self._choose(row, logits[r : r + 1])
             ended = self._append(row, chosen[r])
             if ended is not None:
@@ -227,11 +235,17 @@ class Engine:
             if cfg.top_p is not None and cfg.top_p < 1.0:
                 warpers.append(TopPLogitsWarper(top_p=cfg.top_p, min_tokens_to_keep=1))
         stops = [MultiTokenEOSCriteria(s, self.tokenizer, 0, 1) for s in req.until]
-        return _Row(req, [], stops, generator, warpers, prefill_s)
+        return _Row(req, [], stops, generator, warpers, prefill_s, logits=[] if req.keep_logits else None)
 
     def _choose(self, row: _Row, logits: torch.Tensor) -> int:
-        """transformers' token choice: argmax, or warpers, softmax and one multinomial draw from the row's own
-        generator (the same stream as generate's global one seeded with the request's seed)."""
+        """transformers' token choice from logits (1, V): EOS masked before `min_new` tokens, then argmax, or
+        warpers, softmax and one multinomial draw from the row's own generator (the same stream as generate's
+        global one seeded with the request's seed)."""
+        if row.logits is not None:
+            row.logits.append(logits[0].clone())
+        if len(row.tokens) < row.request.min_new and self.eos:  # MinNewTokensLengthLogitsProcessor
+            logits = logits.clone()
+            logits[:, sorted(self.eos)] = float("-inf")
         if row.generator is None:
             return int(torch.argmax(logits, dim=-1)[0])
         scores = row.warpers(None, logits)
@@ -267,7 +281,7 @@ class Engine:
             kv_kept=kv["kept"],
             kv_evicted_generated=kv["evicted_generated"],
         )
-        return Done(req, row.tokens, ended, stats)
+        return Done(req, row.tokens, ended, stats, row.logits)
 
     def _need(self, req: Request) -> int:
         """Slots a request needs in the pool."""

@@ -10,8 +10,8 @@ from evalkit.kv import SnapStream, generate
 
 
 def bench_batch(model, tok, batches, new_tokens: int) -> list[dict]:
-    """The same requests at each batch size through `evalkit.kv.generate` (left padding, per-row ring
-    slots)."""
+    """The same requests at each batch size through `evalkit.kv.generate` (left padding: one engine row per
+    request)."""
     texts = aime_like_texts(tok, max(batches))
     rows = []
     for b in batches:
@@ -49,7 +49,8 @@ def run(ctx: Context) -> list[dict]:
 
 def note(rows: list[dict]) -> str:
     return (
-        "Left-padded batches with per-row ring slots; outputs equal batch size 1 (tests/kv/test_batched.py)."
+        "Left-padded batches through the engine (one row per request); outputs equal batch size 1 "
+        "(tests/kv/test_batched.py)."
     )
 
 

@@ -1,10 +1,12 @@
 """KV-cache compression: methods (dataclasses), the static-shape cache, and the attention hook.
 
-from evalkit.kv import SnapStream, attach, KVCache
+from evalkit.kv import SnapStream, attach, generate
 attach(model)
-cache = KVCache.for_model(SnapStream(budget=256), model)
-out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
-cache.stats()  # tokens seen / kept / evicted and bytes, per layer
+out, stats = generate(model, ids, SnapStream(budget=256), attention_mask=mask, max_new_tokens=64)
+stats  # tokens seen / kept / evicted and bytes, per layer and per row
+
+`generate` decodes through the engine (`evalkit.engine`, the runner's decode path). A `KVCache` passed to
+`model.generate` decodes one prompt (or rows of one length) with the dynamic cache.
 """
 
 from evalkit.kv.attention import attach, register

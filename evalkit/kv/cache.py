@@ -14,7 +14,8 @@ the prompt, the rest of the block is masked padding, and the ring stays `recent`
 whole and the slots it leaves free extend the ring, so a budget of at least prompt + generated tokens
 reproduces the full cache exactly. Keys keep the RoPE of their original positions; empty slots are masked.
 
-This is the dynamic cache (host bookkeeping, growing buffers), as transformers splits DynamicCache and
+This is the dynamic cache (host bookkeeping, growing buffers; a batch decodes only rows of one prompt length,
+a left-padded batch goes through `evalkit.kv.generate`, i.e. the engine), as transformers splits DynamicCache and
 StaticCache: `static.StaticKVCache` (`compile: true`) fixes shapes and per-step state, `pool.SlotPool` is the
 engine's static cache whose rows are filled one request at a time.
 """
@@ -147,7 +148,6 @@ class KVCache(Cache):
         # (B, 1, q, visible) bool for this step, None = attend to all
         self.step_mask: torch.Tensor | None = None
         self.has_topk = False  # some row keeps a SnapKV selection (scoring runs at prefill)
-        self._has_pad = False  # append methods: left-pad holes in the prompt block need a mask
         super().__init__(layers=[KVLayer(self, i) for i in range(num_layers)])
 
     @classmethod
@@ -169,8 +169,7 @@ class KVCache(Cache):
                 rows.valid = torch.cat([rows.valid, rows.valid.new_full((b, extra), not self.static)], 1)
             self.rows, self.seen, self.used = rows, t, rows.n
             self.has_topk = bool(rows.topk.max() > 0)  # one sync per prefill
-            self._tails, self._prompt_width = rows.tail.tolist(), t
-            self._has_pad = not self.method.ring and not bool(rows.valid[:, : rows.n].all())
+            self._prompt_width = t
             self._prefilled(rows, t)
         return self.rows
 
@@ -180,7 +179,8 @@ class KVCache(Cache):
         return 0 if self.method.ring else max(64, n // 4)
 
     def _prefilled(self, rows: Rows, t: int) -> None:
-        """After the plan: the dynamic cache keeps its per-step state on the host."""
+        """After the plan: the dynamic cache keeps its per-step state on the host (rows share one layout)."""
+        self._tail, self.filled = int(rows.tail[0]), rows.filled[0]
 
     def allocated(self, layer: KVLayer) -> None:
         """A layer's buffers were just allocated at prefill (the static cache pins them)."""
@@ -191,56 +191,59 @@ class KVCache(Cache):
 
     # --- decode ---------------------------------------------------------------------------------------------
     def write(self, layer: KVLayer, k: torch.Tensor, v: torch.Tensor):
-        """Write this step's q new entries of one layer in place; returns the K/V attention should read."""
+        """Write this step's q new entries of one layer in place (every row at the same columns); returns the
+        K/V attention should read."""
         if layer.steps == self.step:  # the first layer to reach a new step advances the shared bookkeeping
             self._advance(k.shape[2])
         layer.steps += 1
         if layer.keys.shape[2] < self.rows.valid.shape[1]:
             layer.grow(self.rows.valid.shape[1])
-        slot, p = self._slot, self._pos
-        if isinstance(slot, int):  # every row writes the same columns: a plain in-place slice copy
-            q = k.shape[2]
-            layer.keys[:, :, slot : slot + q].copy_(k)
-            layer.values[:, :, slot : slot + q].copy_(v)
-            layer.pos[:, :, slot : slot + q] = p
-        else:  # per-row ring slots (left-padded batch): one scatter per K, V and positions
-            b, h = k.shape[:2]
-            layer.keys.scatter_(2, slot.view(b, 1, 1, 1).expand(b, h, 1, k.shape[3]), k)
-            layer.values.scatter_(2, slot.view(b, 1, 1, 1).expand(b, h, 1, v.shape[3]), v)
-            layer.pos.scatter_(2, slot.view(b, 1, 1).expand(b, h, 1), p.expand(b, h, 1))
+        slot, q = self._slot, k.shape[2]
+        layer.keys[:, :, slot : slot + q].copy_(k)
+        layer.values[:, :, slot : slot + q].copy_(v)
+        layer.pos[:, :, slot : slot + q] = self._pos
         return layer.keys[:, :, : self.visible], layer.values[:, :, : self.visible]
 
     def _advance(self, q: int) -> None:
-        """Once per decode step: this step's slots and positions (host arithmetic, no device sync)."""
-        rows, b, dev = self.rows, len(self.rows.lengths), self.rows.valid.device
-        decoded = self.seen - self._prompt_width  # tokens written since prefill (same for every row)
-        host = [length + decoded for length in rows.lengths]  # this token's position per row
+        """Once per decode step: this step's slot and positions (host arithmetic, no device sync)."""
+        rows = self.rows
+        if self.step == 0:
+            self._check_rows()
+        position = rows.lengths[0] + self.seen - self._prompt_width  # this token's position (every row)
         if self.method.ring:
             self._check_one(q, "a ring cache decodes one token per forward after prefill", "not supported")
-            sink = min(self.method.blocks()[0], rows.n)
-            slots = [ring_slot(p, sink, t) for p, t in zip(host, self._tails)]
-            for r, slot in enumerate(slots):  # valid slots stay a prefix: the first empty one is filled next
-                rows.filled[r] += slot == rows.filled[r]
+            self._slot = ring_slot(position, min(self.method.blocks()[0], rows.n), self._tail)
+            self.filled += self._slot == self.filled  # valid slots stay a prefix: the first empty one is next
+            # attention reads the valid prefix unmasked: the keys are the full cache's, in the same order, so the
+            # short-prompt equivalence is exact
+            self.visible = self.filled
         else:
             if self.method.budget is not None:
                 why = "compressed at prefill, so it decodes one token per forward"
                 self._check_one(q, why, "only supported by `full`")
             if self.used + q > rows.valid.shape[1]:
-                grown = rows.valid.new_ones(b, max(q, rows.valid.shape[1] // 2))
+                grown = rows.valid.new_ones(rows.valid.shape[0], max(q, rows.valid.shape[1] // 2))
                 rows.valid = torch.cat([rows.valid, grown], 1)
-            slots = [self.used] * b
-            self.used += q
-        if b == 1 and q == 1:
-            self._slot, self._pos = slots[0], host[0]
-        elif len(set(slots)) == 1:
-            self._slot, self._pos = slots[0], self._positions(q)
-        else:  # ring rows at different slots (only ring methods get here)
-            self._slot = ring_slot(rows.next_pos, sink, rows.tail)  # (B,) on the device
-            self._pos = self._positions(1)
+            self._slot, self.used = self.used, self.used + q
+            self.visible = self.used
+        if q == 1:
+            self._pos = position
+        else:  # (q,) positions of a multi-token continuation
+            self._pos = torch.arange(position, position + q, dtype=torch.int32, device=rows.valid.device)
         rows.next_pos += q
         self.seen += q
         self.step += 1
-        self.step_mask = self._mask(q, dev)
+        self.step_mask = self._causal(q, rows.valid.device) if q > 1 else None
+
+    def _check_rows(self) -> None:
+        """The dynamic cache decodes rows of one layout: a left-padded batch decodes through the engine."""
+        lengths = self.rows.lengths
+        if any(n != self._prompt_width for n in lengths):
+            raise ValueError(
+                f"evalkit KVCache: decoding rows of different prompt lengths {lengths} (a left-padded batch) is "
+                "not supported by the dynamic cache; use evalkit.kv.generate or evalkit.engine.Engine, which "
+                "decode each row in its own slot of one static pool"
+            )
 
     def _check_one(self, q: int, why: str, support: str) -> None:
         if q != 1:
@@ -252,28 +255,10 @@ class KVCache(Cache):
         """The mask attention applies this step, built by `_advance` (None = attend to all `visible` slots)."""
         return self.step_mask
 
-    def _positions(self, q: int) -> torch.Tensor:
-        p = self.rows.next_pos[:, None] + torch.arange(q, device=self.rows.next_pos.device)
-        return p.to(torch.int32).view(-1, 1, q)  # (B, 1, q)
-
-    def _mask(self, q: int, dev) -> torch.Tensor | None:
-        """This step's attention mask over the first `visible` slots; sets `visible`."""
-        rows = self.rows
-        self.visible = self.used
-        if q > 1:  # multi-token continuation (`full`): new tokens are causal among themselves
-            col = torch.arange(self.used, device=dev)
-            causal = col[None, :] <= (self.used - q + torch.arange(q, device=dev))[:, None]  # (q, used)
-            return rows.valid[:, None, None, : self.used] & causal[None, None]
-        if not self.method.ring:
-            return rows.valid[:, None, None, : self.used] if self._has_pad else None
-        # Ring caches: every row's valid slots are a prefix [0, filled). Attend to the longest prefix; mask
-        # only when rows differ (a left-padded batch of short prompts). Unmasked, the keys are the full
-        # cache's, in the same order: the short-prompt equivalence is exact.
-        self.visible = max(rows.filled)
-        if min(rows.filled) == self.visible:
-            return None
-        filled = torch.tensor(rows.filled, device=dev)
-        return (torch.arange(self.visible, device=dev)[None, :] < filled[:, None])[:, None, None, :]
+    def _causal(self, q: int, dev) -> torch.Tensor:
+        """(1, 1, q, used): multi-token continuation (`full`): the q new tokens are causal among themselves."""
+        col = torch.arange(self.used, device=dev)
+        return (col[None, :] <= (self.used - q + torch.arange(q, device=dev))[:, None])[None, None]
 
     # --- reporting ------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -306,7 +291,7 @@ class KVCache(Cache):
     def _kept(self) -> list[int]:
         """Valid slots per row (a dynamic ring counts them on the host)."""
         if self.method.ring:
-            return list(self.rows.filled)
+            return [self.filled] * len(self.rows.lengths)
         return self.rows.valid[:, : self._in_use()].sum(1).tolist()
 
     def _row_slots(self, kept: list[int]) -> list[int]:

@@ -37,7 +37,7 @@ class SlotPool(StaticKVCache):
             next_pos=torch.zeros(batch, dtype=torch.long, device=dev),
             filled=[0] * batch,
         )
-        pool.rows, pool.seen, pool.used, pool._prompt_width, pool._tails = rows, 0, capacity, 0, [1] * batch
+        pool.rows, pool.seen, pool.used, pool._prompt_width = rows, 0, capacity, 0
         pool._prefilled(rows, 0)
         for src, layer in zip(like.layers, pool.layers):
             layer.lazy_initialization(src.keys, src.values)

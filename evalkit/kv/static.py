@@ -10,6 +10,7 @@ it once per (batch, slots). Prefill and compression are the dynamic cache's (`ev
 from __future__ import annotations
 
 import torch
+from transformers import CompileConfig
 
 from evalkit.kv.cache import KVCache, KVLayer
 from evalkit.kv.layout import Rows, ring_slot, slots_needed
@@ -21,6 +22,20 @@ def pin(*tensors: torch.Tensor) -> None:
     if not torch.compiler.is_compiling():  # marking is refused while tracing; prefill is never compiled
         for t in tensors:
             torch._dynamo.mark_static_address(t)
+
+
+def compile_config(model, backend="inductor", mode: str | None = None) -> CompileConfig:
+    """How a static cache's decode forward compiles (`evalkit.kv.generate`, the engine): one graph (fullgraph: a graph break is an error, not a slow
+    path), specialised to its shapes (dynamic=False: a static cache has one shape per batch and slot count).
+
+    Inductor with CUDA graphs (`reduce-overhead`) on CUDA, plain inductor elsewhere; `backend` may be any
+    torch.compile backend (tests count compilations with their own)."""
+    cuda = model.device.type == "cuda"
+    if mode is None and backend == "inductor":
+        mode = "reduce-overhead" if cuda else "default"
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=mode)
+    config._compile_all_devices = not cuda  # transformers compiles on accelerators only unless told
+    return config
 
 
 class StaticKVCache(KVCache):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from evalkit.engine import Engine, Request
-from evalkit.kv import Full, SnapKV, SnapStream, StreamingLLM, generate
+from evalkit.kv import Full, KVCache, SnapKV, SnapStream, StreamingLLM, generate
 from evalkit.kv.prefill import PrefillRecord
 from evalkit.request import generation_config
 from tests.conftest import tiny_model
@@ -46,9 +46,12 @@ def settings(sample: bool, new: int = NEW):
 
 
 def alone(model, ids, method, sample, seed, new=NEW):
-    """What `model.generate` makes of one request by itself (the reference)."""
+    """What `model.generate` makes of one request by itself with a one-row cache of its own (the reference:
+    transformers' decode loop, not the engine's)."""
     torch.manual_seed(seed)
-    out, _ = generate(model, torch.tensor([ids]), method, generation_config=settings(sample, new))
+    with torch.inference_mode():
+        cache = KVCache.for_model(method, model)
+        out = model.generate(torch.tensor([ids]), cache=cache, generation_config=settings(sample, new))
     return out[0, len(ids) :].tolist()
 
 
@@ -68,6 +71,48 @@ def test_every_request_decodes_as_generate_alone(arch, sample):
             reqs = [Request(str(i), x, NEW, method, settings(sample), 100 + i) for i, x in enumerate(ids)]
             got, _ = engine_run(model, reqs, rows)
             assert [got[str(i)].tokens for i in range(len(ids))] == want, (method, rows)
+
+
+def test_min_new_tokens_and_logits_as_transformers():
+    """A request keeps EOS out until `min_new` tokens and keeps each step's raw float32 logits: the tokens and
+    logits of `model.generate(min_new_tokens=..., output_logits=True)` alone; without `min_new` it ends at EOS."""
+    model = tiny_model("llama", seed=3)
+    ids, method = prompts()[0], SnapStream(budget=64, recent=16, window=8)
+    free = alone(model, ids, method, False, 0)
+    at = next(i for i in range(2, NEW) if free[i] not in free[:i])  # greedy emits this token first at `at`
+    config = generation_config({}, NEW, [free[at]], 0)
+    with torch.inference_mode():
+        want = model.generate(
+            torch.tensor([ids]),
+            cache=KVCache.for_model(method, model),
+            generation_config=config,
+            min_new_tokens=12,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    engine = Engine(model, Tok(), [free[at]], 2)
+    reqs = [Request("min", ids, NEW, method, config, 0, min_new=12, keep_logits=True)]
+    reqs.append(Request("free", ids, NEW, method, config, 0))
+    got = {d.request.key: d for d in engine.run(reqs)}
+    assert got["free"].tokens == free[: at + 1] and got["free"].ended == "eos" and got["free"].logits is None
+    assert got["min"].tokens == want.sequences[0, len(ids) :].tolist() and len(got["min"].tokens) >= 12
+    assert len(got["min"].logits) == len(want.logits)
+    assert max((a - b[0]).abs().max().item() for a, b in zip(got["min"].logits, want.logits)) <= 1e-5
+
+
+def test_generate_refuses_settings_the_engine_cannot_honour():
+    """`evalkit.kv.generate` decodes through the engine: beams, penalties, unknown or missing settings are
+    refused by name before any forward."""
+    model, ids = tiny_model("llama"), torch.tensor([prompts()[4]])
+    for kw, why in (
+        (dict(max_new_tokens=4, num_beams=2), "num_beams=2 is not supported"),
+        (dict(max_new_tokens=4, repetition_penalty=1.3), "repetition_penalty=1.3 is not supported"),
+        (dict(max_new_tokens=4, prefill_chunk_size=8), "prefill_chunk_size=8 is not supported"),
+        (dict(max_new_tokens=4, beam_width=2), r"unknown generation settings \['beam_width'\]"),
+        (dict(max_new_tokens=None), "pass max_new_tokens"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            generate(model, ids, Full(), **kw)
 
 
 def test_finished_rows_are_refilled_at_once_and_static_batching_idles():

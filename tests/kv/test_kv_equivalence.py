@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from evalkit.kv import Full, SnapKV, SnapStream, StreamingLLM, generate
+from evalkit.kv import Full, KVCache, SnapKV, SnapStream, StreamingLLM, generate
 from tests.conftest import tiny_model
 
 PROMPT, NEW = 60, 24
@@ -79,3 +79,18 @@ def test_sampling_works_and_is_seeded():
     greedy, _ = generate(model, ids, SnapStream(budget=24, window=4, recent=8), max_new_tokens=30)
     assert torch.equal(runs[0], runs[1]) and runs[0].shape[1] == 70  # same seed, same sample
     assert not torch.equal(runs[0], runs[2]) and not torch.equal(runs[0], greedy)  # really sampled
+
+
+def test_full_cache_takes_a_multi_token_continuation():
+    """`full` continues a prefilled prompt with several tokens in one forward (causal among themselves), the
+    logits those of the whole sequence without a cache; two rows of one length decode together."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (2, PROMPT + 5), generator=torch.Generator().manual_seed(4))
+    cache = KVCache.for_model(Full(), model)
+    with torch.inference_mode():
+        want = model(ids).logits[:, PROMPT:]
+        model(ids[:, :PROMPT], cache=cache)
+        got = model(ids[:, PROMPT : PROMPT + 3], cache=cache).logits
+        got = torch.cat([got, model(ids[:, PROMPT + 3 :], cache=cache).logits], 1)
+    assert (got - want).abs().max() <= 1e-5
+    assert cache.positions(0)[:, :, -5:].tolist() == [[list(range(PROMPT, PROMPT + 5))] * 2] * 2
