@@ -1,12 +1,14 @@
-"""Continuous batching over evalkit's compressed caches: a queue of requests, a fixed pool of rows, refill on finish.
+"""Continuous batching over evalkit's compressed caches: a queue of requests, a fixed pool of rows, refill on
+finish.
 
 Each request is prefilled alone (its own compressed cache, or replayed from another budget's recorded prefill,
 `evalkit.kv.prefill`), then copied into a free row of one static slot pool (`evalkit.kv.pool.SlotPool`): every
-row keeps its own method, budget, ring and positions, so rows of different budgets of one prompt decode side by
-side, and a row that finishes (EOS, a stop string, its token limit) takes the next request at once instead of
-idling until the longest row of a static batch ends. Token choice is transformers' own (float32 logits, the temperature / top-k /
-top-p warpers, softmax, multinomial), with one random generator per request seeded from its key: a request
-samples the same whatever row, batch or moment it lands in, and a resumed run samples what the killed one would.
+row keeps its own method, budget, ring and positions, so rows of different budgets of one prompt decode side
+by side, and a row that finishes (EOS, a stop string, its token limit) takes the next request at once instead
+of idling until the longest row of a static batch ends. Token choice is transformers' own (float32 logits, the
+temperature / top-k / top-p warpers, softmax, multinomial), with one random generator per request seeded from
+its key: a request samples the same whatever row, batch or moment it lands in, and a resumed run samples what
+the killed one would.
 
     engine = Engine(model, eos_ids=[2], rows=8)
     for done in engine.run(requests):   # in completion order
@@ -77,8 +79,8 @@ class _Row:
 
 class Engine:
     """Decode many requests through one pool of `rows` rows. `continuous=False` is static batching (a batch is
-    refilled only when all its rows are done), kept for comparison. `compile=True` compiles the decode step once
-    per (rows, slots) shape (`evalkit.kv.static.compile_config`)."""
+    refilled only when all its rows are done), kept for comparison. `compile=True` compiles the decode step
+    once per (rows, slots) shape (`evalkit.kv.static.compile_config`)."""
 
     def __init__(
         self, model, tokenizer, eos_ids: list[int], rows: int, continuous: bool = True, compile=False
@@ -106,7 +108,7 @@ class Engine:
         # bytes of one row's slot per layer (K and V), from the first prefill
         self.layer_bytes: list[int] = []
 
-    # --- the loop ----------------------------------------------------------------------------------------------
+    # --- the loop -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(
         self, requests: Iterable[Request], then: Callable[[Done], Request | None] | None = None
@@ -196,9 +198,10 @@ class Engine:
             live[r] = None
             self.pool.idle_row(r)
 
-    # --- one request ---------------------------------------------------------------------------------------------
+    # --- one request ----------------------------------------------------------------------------------------
     def _prefill(self, req: Request) -> tuple[KVCache, torch.Tensor]:
-        """The request's own one-row cache after its prefill, and the last position's float32 logits (1, V)."""
+        """The request's own one-row cache after its prefill, and the last position's float32 logits
+        (1, V)."""
         replay = (
             req.replay
             if req.replay is not None and req.replay.usable and req.replay.logits is not None

@@ -2,10 +2,11 @@
 
 `EvalkitLM` subclasses lm-eval's `HFLM` (loglikelihood requests keep HFLM's path, which has no cache) and
 replaces generation with `evalkit.engine` (continuous batching: each request prefilled into its own compressed
-cache, decoded as one row of a slot pool, a finished row refilled at once). For evalkit task docs it renders the prompt
-itself from the `Sample` fields (chat template, optional system message, assistant prefill = answer prefix)
-and honours the sample's `max_new_tokens`, so `python -m evalkit` and `lm_eval --model evalkit` see identical
-text. With a journal it records each finished generation (resume after a crash) and its KV statistics.
+cache, decoded as one row of a slot pool, a finished row refilled at once). For evalkit task docs it renders
+the prompt itself from the `Sample` fields (chat template, optional system message, assistant prefill = answer
+prefix) and honours the sample's `max_new_tokens`, so `python -m evalkit` and `lm_eval --model evalkit` see
+identical text. With a journal it records each finished generation (resume after a crash) and its KV
+statistics.
 
     lm_eval --model evalkit --model_args model=smollm2_135m,method=snapstream,budget=256 \
             --include_path tasks --tasks evalkit_ruler --metadata '{"tokenizer": "smollm2_135m"}'
@@ -40,7 +41,8 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
     """HFLM whose generations run through `evalkit.kv.KVCache(method)`."""
 
     # Decode a prompt's budgets (`also`) as rows of one batch; the bench turns it off to measure what it buys
-    # (the budgets then decode one after another, still replaying one prefill). Outputs are the same either way.
+    # (the budgets then decode one after another, still replaying one prefill). Outputs are the same either
+    # way.
     batch_budgets = True
 
     def __init__(
@@ -91,10 +93,11 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
             max_length=max_length or context_length(spec, hf_model.config),
         )
 
-    # --- generation requests: lm-eval's requests in, evalkit.engine's continuous batching underneath -------------
+    # --- generation requests: lm-eval's requests in, evalkit.engine's continuous batching underneath --------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Generate (or take from the journal) every request. With `also`, each prompt's other budgets replay its
-        prefill and decode beside it as rows of the same batch; each finished generation is journaled at once."""
+        """Generate (or take from the journal) every request. With `also`, each prompt's other budgets replay
+        its prefill and decode beside it as rows of the same batch; each finished generation is journaled at
+        once."""
         from evalkit.engine import Engine
 
         results: list[str | None] = [None] * len(requests)
@@ -132,8 +135,8 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         return results
 
     def _jobs(self, i: int, p: Prompt, results: list) -> list:
-        """Engine requests for one lm-eval request: each budget not journaled yet. The first of several keeps its
-        prefill (a record) for the others to replay."""
+        """Engine requests for one lm-eval request: each budget not journaled yet. The first of several keeps
+        its prefill (a record) for the others to replay."""
         from evalkit.engine import Request
         from evalkit.kv.prefill import PrefillRecord
 
@@ -164,8 +167,8 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         ]
 
     def _followup(self, done):
-        """The second call of a two-call protocol (LongBench CoT): no document, so a full cache at every budget
-        (upstream's compression only ever touched the first call; recorded as followup_method)."""
+        """The second call of a two-call protocol (LongBench CoT): no document, so a full cache at every
+        budget (upstream's compression only ever touched the first call; recorded as followup_method)."""
         from evalkit.engine import Request
 
         job = done.request.tag
@@ -195,7 +198,8 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         )
 
     def _result(self, done) -> tuple[str, dict]:
-        """(text, stats) of a finished generation as journaled: the follow-up's text with the first call's stats."""
+        """(text, stats) of a finished generation as journaled: the follow-up's text with the first call's
+        stats."""
         job = done.request.tag
         last = job.first[2] if job.first is not None else job.prompt
         text = finish_text(

@@ -1,11 +1,11 @@
 """evalkit's attention function: plain sdpa, plus the hand-off that lets a cache layer see its queries.
 
 Registered under the name "evalkit" in transformers' `AttentionInterface` (and, with sdpa's mask builder, in
-`AttentionMaskInterface`: without it transformers silently builds no mask). Every transformers attention module
-calls `cache.update(...)` and then the attention function, so the layer that was just updated is handed over
-through a thread-local: at prefill the layer compresses with the post-RoPE queries (model-agnostic: Llama,
-Qwen3 and DeepSeek-V3's MLA alike); at decode attention uses the layer's own slot mask. The hand-off is plain
-attribute traffic that torch.compile traces (fullgraph), so a compiled decode step keeps it.
+`AttentionMaskInterface`: without it transformers silently builds no mask). Every transformers attention
+module calls `cache.update(...)` and then the attention function, so the layer that was just updated is handed
+over through a thread-local: at prefill the layer compresses with the post-RoPE queries (model-agnostic:
+Llama, Qwen3 and DeepSeek-V3's MLA alike); at decode attention uses the layer's own slot mask. The hand-off is
+plain attribute traffic that torch.compile traces (fullgraph), so a compiled decode step keeps it.
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ def evalkit_attention(module, query, key, value, attention_mask, scaling=None, *
 def static_decode_sdpa(query, key, value, mask, scaling):
     """One decode query over every slot of a static cache, under its slot mask.
 
-    query (B, H_q, 1, D), key/value (B, H_kv, S, D_k / D_v), mask (B, 1, 1, S) bool -> ((B, 1, H_q, D_v), None).
-    The H_q / H_kv query heads of a GQA group ride as query rows of their KV head, so K/V are read once, never
-    repeated per query head (transformers' sdpa does this only outside torch.compile, and repeats K/V inside it):
-    the eager and the compiled step run the same attention.
+    query (B, H_q, 1, D), key/value (B, H_kv, S, D_k / D_v), mask (B, 1, 1, S) bool -> ((B, 1, H_q, D_v),
+    None). The H_q / H_kv query heads of a GQA group ride as query rows of their KV head, so K/V are read
+    once, never repeated per query head (transformers' sdpa does this only outside torch.compile, and repeats
+    K/V inside it): the eager and the compiled step run the same attention.
     """
     b, h_q, _, d = query.shape
     h_kv = key.shape[1]

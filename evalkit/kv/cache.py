@@ -1,12 +1,12 @@
 """A transformers `Cache` that holds a compressed, per-KV-head selection of the prompt and decodes in place.
 
-Layout per layer, KV head and batch row: `[sink | tail | top-K]` slots (`evalkit.kv.layout`, the block sizes in
-`methods.py`). Prefill runs full attention over the prompt; right after it, `evalkit.kv.attention` hands this
-layer the post-RoPE queries, the layer scores the middle of the prompt, gathers the kept entries into buffers
-allocated once, and drops the rest. Decode writes one slot per step in place: ring methods (`streamingllm`,
-`snapstream`) overwrite the oldest tail entry at `layout.ring_slot` (no growth, no reallocation, no
-concatenation); append methods (`full`, `snapkv`) write the next free column of a buffer that grows
-geometrically.
+Layout per layer, KV head and batch row: `[sink | tail | top-K]` slots (`evalkit.kv.layout`, the block sizes
+in `methods.py`). Prefill runs full attention over the prompt; right after it, `evalkit.kv.attention` hands
+this layer the post-RoPE queries, the layer scores the middle of the prompt, gathers the kept entries into
+buffers allocated once, and drops the rest. Decode writes one slot per step in place: ring methods
+(`streamingllm`, `snapstream`) overwrite the oldest tail entry at `layout.ring_slot` (no growth, no
+reallocation, no concatenation); append methods (`full`, `snapkv`) write the next free column of a buffer that
+grows geometrically.
 
 Short prompts follow the spec: `valid_topk = min(max(L - sink - recent, 0), K)` top-K slots hold the middle of
 the prompt, the rest of the block is masked padding, and the ring stays `recent` slots. SnapStream's
@@ -15,9 +15,9 @@ whole and the slots it leaves free extend the ring, so a budget of at least prom
 reproduces the full cache exactly. Keys keep the RoPE of their original positions; empty slots are masked.
 
 This is the dynamic cache (host bookkeeping, growing buffers; a batch decodes only rows of one prompt length,
-a left-padded batch goes through `evalkit.kv.generate`, i.e. the engine), as transformers splits DynamicCache and
-StaticCache: `static.StaticKVCache` (`compile: true`) fixes shapes and per-step state, `pool.SlotPool` is the
-engine's static cache whose rows are filled one request at a time.
+a left-padded batch goes through `evalkit.kv.generate`, i.e. the engine), as transformers splits DynamicCache
+and StaticCache: `static.StaticKVCache` (`compile: true`) fixes shapes and per-step state, `pool.SlotPool` is
+the engine's static cache whose rows are filled one request at a time.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ class KVLayer(CacheLayerMixin):
             return key_states, value_states
         if self.pending is not None:
             raise RuntimeError(
-                "evalkit cache: the prompt was never compressed because the model does not run evalkit's attention "
-                f"(attn_implementation={self.cache.attn_name!r}). Call evalkit.kv.attach(model) once after loading."
+                "evalkit cache: the prompt was never compressed because the model does not run evalkit's "
+                f"attention (attn_implementation={self.cache.attn_name!r}). Call evalkit.kv.attach(model) "
+                "once after loading."
             )
         return self.cache.write(self, key_states, value_states)
 
@@ -71,8 +72,8 @@ class KVLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # After prefill evalkit's attention builds its own mask from the slots; this keeps transformers' mask
-        # (which it then ignores) at q x q instead of growing with the sequence. A static cache reports no offset:
-        # a Python int that changes every step would be a guard, hence a recompilation, per step.
+        # (which it then ignores) at q x q instead of growing with the sequence. A static cache reports no
+        # offset: a Python int that changes every step would be a guard, hence a recompilation, per step.
         return query_length, 0 if self.cache.static else self.cache.seen
 
     def get_max_length(self) -> int:
@@ -80,7 +81,8 @@ class KVLayer(CacheLayerMixin):
 
     # --- compression -------------------------------------------------------------------------------------
     def compress(self, query: torch.Tensor, attn_keys: torch.Tensor, attention_mask, scaling: float) -> None:
-        """Keep the method's selection of the prompt. query (B, H_q, T, D) post-RoPE; attn_keys as attention saw them."""
+        """Keep the method's selection of the prompt. query (B, H_q, T, D) post-RoPE; attn_keys as attention
+        saw them."""
         keys, values = self.pending
         self.pending = None
         if self.cache.record is not None:
@@ -118,7 +120,8 @@ class KVLayer(CacheLayerMixin):
 
 
 def _gathered(x: torch.Tensor, src: torch.Tensor, empty: torch.Tensor, cap: int) -> torch.Tensor:
-    """A (B, H, cap, D) buffer whose first n slots hold x's prompt columns src (B, H, n, 1), zeros elsewhere."""
+    """A (B, H, cap, D) buffer whose first n slots hold x's prompt columns src (B, H, n, 1), zeros
+    elsewhere."""
     b, h, n = src.shape[:3]
     out = x.new_zeros(b, h, cap, x.shape[-1])
     out[:, :, :n] = x.gather(2, src.expand(-1, -1, -1, x.shape[-1])).masked_fill_(empty, 0)
@@ -214,8 +217,8 @@ class KVCache(Cache):
             self._check_one(q, "a ring cache decodes one token per forward after prefill", "not supported")
             self._slot = ring_slot(position, min(self.method.blocks()[0], rows.n), self._tail)
             self.filled += self._slot == self.filled  # valid slots stay a prefix: the first empty one is next
-            # attention reads the valid prefix unmasked: the keys are the full cache's, in the same order, so the
-            # short-prompt equivalence is exact
+            # attention reads the valid prefix unmasked: the keys are the full cache's, in the same order, so
+            # the short-prompt equivalence is exact
             self.visible = self.filled
         else:
             if self.method.budget is not None:
@@ -240,23 +243,26 @@ class KVCache(Cache):
         lengths = self.rows.lengths
         if any(n != self._prompt_width for n in lengths):
             raise ValueError(
-                f"evalkit KVCache: decoding rows of different prompt lengths {lengths} (a left-padded batch) is "
-                "not supported by the dynamic cache; use evalkit.kv.generate or evalkit.engine.Engine, which "
-                "decode each row in its own slot of one static pool"
+                f"evalkit KVCache: decoding rows of different prompt lengths {lengths} (a left-padded batch) "
+                "is not supported by the dynamic cache; use evalkit.kv.generate or evalkit.engine.Engine, "
+                "which decode each row in its own slot of one static pool"
             )
 
     def _check_one(self, q: int, why: str, support: str) -> None:
         if q != 1:
             raise ValueError(
-                f"{self.method.name}: {why} (got {q}); chunked prefill and multi-token continuation are {support}"
+                f"{self.method.name}: {why} (got {q}); chunked prefill and multi-token continuation are "
+                f"{support}"
             )
 
     def decode_mask(self) -> torch.Tensor | None:
-        """The mask attention applies this step, built by `_advance` (None = attend to all `visible` slots)."""
+        """The mask attention applies this step, built by `_advance` (None = attend to all `visible`
+        slots)."""
         return self.step_mask
 
     def _causal(self, q: int, dev) -> torch.Tensor:
-        """(1, 1, q, used): multi-token continuation (`full`): the q new tokens are causal among themselves."""
+        """(1, 1, q, used): multi-token continuation (`full`): the q new tokens are causal among
+        themselves."""
         col = torch.arange(self.used, device=dev)
         return (col[None, :] <= (self.used - q + torch.arange(q, device=dev))[:, None])[None, None]
 
@@ -285,7 +291,8 @@ class KVCache(Cache):
         return {**total, "slots": used, "reserved_bytes": reserved, "per_layer": per_layer, "rows": rows}
 
     def _in_use(self) -> int:
-        """Slots in use per row: `budget` for ring methods, the prompt's and those written since for append."""
+        """Slots in use per row: `budget` for ring methods, the prompt's and those written since for
+        append."""
         return self.used
 
     def _kept(self) -> list[int]:
@@ -295,7 +302,8 @@ class KVCache(Cache):
         return self.rows.valid[:, : self._in_use()].sum(1).tolist()
 
     def _row_slots(self, kept: list[int]) -> list[int]:
-        """Each row's own footprint: a ring holds its whole budget whatever it holds, an append row its kept."""
+        """Each row's own footprint: a ring holds its whole budget whatever it holds, an append row its
+        kept."""
         return [self._in_use()] * len(kept) if self.method.ring else kept
 
     def row_stats(self) -> list[dict]:
@@ -324,7 +332,7 @@ class KVCache(Cache):
         """(B, H, slots) original position held by each slot of a layer, -1 = empty."""
         return self.layers[layer_idx].pos[:, :, : self._in_use()]
 
-    # --- unsupported generate paths fail loudly ---------------------------------------------------------------
+    # --- unsupported generate paths fail loudly -------------------------------------------------------------
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("evalkit KV caches do not support beam search")
 

@@ -1,5 +1,6 @@
-"""A KV method from its conf (`conf/method/*.yaml`): `_target_` names the class, every setting is type-checked,
-and invalid settings raise `ConfigError` naming the setting and the rule, before any model loads."""
+"""A KV method from its conf (`conf/method/*.yaml`): `_target_` names the class, every setting is
+type-checked, and invalid settings raise `ConfigError` naming the setting and the rule, before any model
+loads."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ from evalkit.kv.methods import KVMethod
 
 
 def method_class(target: str):
-    """The class `_target_` names; it may only be an evalkit KV method (`_target_` is a registry, not an eval)."""
+    """The class `_target_` names; it may only be an evalkit KV method (`_target_` is a registry, not an
+    eval)."""
     try:
         cls = get_class(target) if isinstance(target, str) and target.startswith("evalkit.kv.") else None
     except Exception:  # hydra reports a missing class with a bare Exception
         cls = None
     if not (isinstance(cls, type) and issubclass(cls, KVMethod)):
         raise ConfigError(
-            f"method._target_ must name a KV method class in evalkit.kv (see conf/method/*.yaml), got {target!r}"
+            "method._target_ must name a KV method class in evalkit.kv (see conf/method/*.yaml), "
+            f"got {target!r}"
         )
     return cls
 
@@ -42,7 +45,8 @@ def make_method(name_or_cfg, **overrides):
 
 
 def check_types(cls, settings: dict) -> None:
-    """Each method setting has its field's type (`recent=../../y` is an error here, not a comparison crash)."""
+    """Each method setting has its field's type (`recent=../../y` is an error here, not a comparison
+    crash)."""
     import dataclasses
     import typing
 
@@ -67,9 +71,9 @@ def check_types(cls, settings: dict) -> None:
 
 def canonical(method_cfg: DictConfig, method: KVMethod, defaults: DictConfig) -> DictConfig:
     """`method_cfg` with each setting that makes the same method as its conf default written as that default
-    (`recent=32` at budget 256 and window 32, where the default `recent: null` resolves to budget // 8 = 32): one
-    configuration gets one run folder, one config.yaml and one identity, however it was spelled. Each setting is
-    tried with the others as given (they interact: the default recent is at least the window)."""
+    (`recent=32` at budget 256 and window 32, where the default `recent: null` resolves to budget // 8 = 32):
+    one configuration gets one run folder, one config.yaml and one identity, however it was spelled. Each
+    setting is tried with the others as given (they interact: the default recent is at least the window)."""
     out = method_cfg
     for key in [k for k in method_cfg if k not in ("_target_", "budget") and k in defaults]:
         if out[key] == defaults[key]:

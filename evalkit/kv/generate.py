@@ -2,9 +2,9 @@
 
 It decodes through the engine (`evalkit.engine`), the runner's own decode path: each row of the batch is a
 request, prefilled alone into its own compressed cache and decoded in a row of one static slot pool, so the
-library call, the demo, the benches and `make eval` share one decode. `compile=True` runs the decode step through
-transformers' compiled forward (`compile_config`), compiled once per (rows, slots) shape; the prefill (and
-SnapKV's compression) stays eager.
+library call, the demo, the benches and `make eval` share one decode. `compile=True` runs the decode step
+through transformers' compiled forward (`compile_config`), compiled once per (rows, slots) shape; the prefill
+(and SnapKV's compression) stays eager.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ UNSUPPORTED = dict(
 
 
 def settings(model, gen_kwargs: dict) -> GenerationConfig:
-    """`model.generate`'s generation config for these kwargs; settings the engine cannot honour are refused."""
+    """`model.generate`'s generation config for these kwargs; settings the engine cannot honour are
+    refused."""
     config = copy.deepcopy(gen_kwargs.pop("generation_config", None) or model.generation_config)
     unknown = config.update(**gen_kwargs)
     if unknown:
@@ -71,14 +72,15 @@ def generate(
     compile: bool = False,
     **gen_kwargs,
 ):
-    """Generate from each row of a (left-padded) batch with its own `method` cache, through the engine; returns
-    (sequences (B, T + new), stats).
+    """Generate from each row of a (left-padded) batch with its own `method` cache, through the engine;
+    returns (sequences (B, T + new), stats).
 
-    Greedy or sampled, as `gen_kwargs` (transformers' settings) say; sampled rows draw their seeds from torch's
-    global generator. `return_dict_in_generate=True` returns transformers' output (with `logits` when
-    `output_logits=True`: one (B, V) float32 tensor per step, zeros for rows already done). Rows that end early
-    are padded with `pad_token_id`. `stats` holds the KV figures (`batch_stats`), `stats["rows"]` each row's.
-    `compile=True`: the decode step compiled (`compile_config` unless `gen_kwargs` has a `compile_config`).
+    Greedy or sampled, as `gen_kwargs` (transformers' settings) say; sampled rows draw their seeds from
+    torch's global generator. `return_dict_in_generate=True` returns transformers' output (with `logits` when
+    `output_logits=True`: one (B, V) float32 tensor per step, zeros for rows already done). Rows that end
+    early are padded with `pad_token_id`. `stats` holds the KV figures (`batch_stats`), `stats["rows"]` each
+    row's. `compile=True`: the decode step compiled (`compile_config` unless `gen_kwargs` has a
+    `compile_config`).
     """
     from evalkit.engine import Engine, Request
 
@@ -132,9 +134,9 @@ def _padded(tokens: list[list[int]], pad: int, input_ids: torch.Tensor) -> torch
 
 
 def batch_stats(done: list, engine) -> dict:
-    """Tokens seen, kept and evicted and bytes held, totals over the rows, per layer and per row (`rows`), as each
-    row stood when it ended. `slots`: the most slots a row held (= budget for ring methods); `reserved_bytes`:
-    the engine's whole slot pool."""
+    """Tokens seen, kept and evicted and bytes held, totals over the rows, per layer and per row (`rows`), as
+    each row stood when it ended. `slots`: the most slots a row held (= budget for ring methods);
+    `reserved_bytes`: the engine's whole slot pool."""
     rows = [
         {
             "seen": d.stats["kv_seen"],

@@ -1,4 +1,5 @@
-"""Where each token lives in a compressed cache: the `[sink | tail | top-K]` slots of a row, planned at prefill.
+"""Where each token lives in a compressed cache: the `[sink | tail | top-K]` slots of a row, planned at
+prefill.
 
 One formula places a position in the tail: `ring_slot`. The prefill plan uses it to lay out the prompt's tail,
 and every decode path (the dynamic cache, the static cache, the slot pool) uses it for the token it writes, so
@@ -68,7 +69,8 @@ def plan_rows(method, valid_cols: torch.Tensor) -> Rows:
         whole = torch.zeros_like(whole)
     tail = torch.where(whole, n - sink, tail_long)  # (B,)
     # --- sink and tail slot positions: each prompt position goes to its ring slot, the last one there stays
-    # (as if the prompt had been decoded through the ring; also used, harmlessly, to order append methods' tail)
+    # (as if the prompt had been decoded through the ring; also used, harmlessly, to order append methods'
+    # tail)
     p = torch.arange(t, device=dev)[None, :].expand(b, t)  # (B, T) positions, real or not
     slot = ring_slot(p, sink, tail[:, None])  # (B, T), all < sink + tail <= n
     held = torch.where(p < lengths[:, None], p, -1)  # positions past a row's prompt land nowhere

@@ -1,9 +1,10 @@
-"""KV compression methods: small dataclasses that turn one `budget` into a cache layout, plus one scoring hook.
+"""KV compression methods: small dataclasses that turn one `budget` into a cache layout, plus one scoring
+hook.
 
 Every method keeps, per layer and KV head, `[sink | tail | top-K]` entries of the prompt (spec:
-`../shared/spec/snapstream.md`). The methods differ only in the sizes of those blocks, in whether the tail is a
-ring that new tokens overwrite (fixed size) or new tokens are appended (unbounded), and in `score`, the hook that
-ranks the middle of the prompt for the top-K block:
+`../shared/spec/snapstream.md`). The methods differ only in the sizes of those blocks, in whether the tail is
+a ring that new tokens overwrite (fixed size) or new tokens are appended (unbounded), and in `score`, the hook
+that ranks the middle of the prompt for the top-K block:
 
 | method        | sink | tail              | top-K                | decode |
 |---------------|------|-------------------|----------------------|--------|
@@ -139,7 +140,8 @@ class SnapKV(KVMethod):
 
 @dataclass
 class SnapStream(SnapKV):
-    """SnapStream: sinks + SnapKV top-K of the prompt's middle + a ring of recent tokens, fixed size `budget`."""
+    """SnapStream: sinks + SnapKV top-K of the prompt's middle + a ring of recent tokens, fixed size
+    `budget`."""
 
     sink: int = 4
     recent: int | None = None  # None: budget // 8, at least `window` (spec defaults)
@@ -164,14 +166,15 @@ class SnapStream(SnapKV):
             )
         if self.sink + self.recent > self.budget:
             raise ValueError(
-                f"{self.name}: sink + recent must be <= budget, got {self.sink} + {self.recent} > {self.budget}"
+                f"{self.name}: sink + recent must be <= budget, "
+                f"got {self.sink} + {self.recent} > {self.budget}"
             )
-        # The observation window is the last `window` queries; they must lie in the recent block, which is kept
-        # anyway, so that every scored candidate is older than every observing query.
+        # The observation window is the last `window` queries; they must lie in the recent block, which is
+        # kept anyway, so that every scored candidate is older than every observing query.
         if self.window < 1 or self.window > self.recent:
             raise ValueError(
-                f"{self.name}: window must be in [1, recent] (the observation window lies in the recent ring), "
-                f"got window={self.window}, recent={self.recent}"
+                f"{self.name}: window must be in [1, recent] (the observation window lies in the recent "
+                f"ring), got window={self.window}, recent={self.recent}"
             )
 
     def blocks(self) -> tuple[int, int, int]:

@@ -1,9 +1,9 @@
 """The engine's slot pool: a static cache whose rows are filled one request at a time (continuous batching).
 
 Each request is prefilled alone into its own one-row cache, then copied into a free row of the pool; every row
-keeps its own method, budget, ring and positions (`StaticKVCache`'s per-row state), so rows of different budgets
-decode side by side, and buffer addresses never change, so a compiled (CUDA-graph) step keeps running as rows
-are refilled. Used by `evalkit.engine`.
+keeps its own method, budget, ring and positions (`StaticKVCache`'s per-row state), so rows of different
+budgets decode side by side, and buffer addresses never change, so a compiled (CUDA-graph) step keeps running
+as rows are refilled. Used by `evalkit.engine`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from evalkit.kv.static import StaticKVCache, pin
 
 
 class SlotPool(StaticKVCache):
-    """`batch` rows of `capacity` slots. Rows are filled by `load_row`; until then they are idle (one valid slot,
-    ring of one: they decode harmlessly in place)."""
+    """`batch` rows of `capacity` slots. Rows are filled by `load_row`; until then they are idle (one valid
+    slot, ring of one: they decode harmlessly in place)."""
 
     @classmethod
     def shaped_like(cls, like: KVCache, batch: int, capacity: int) -> SlotPool:
@@ -55,8 +55,8 @@ class SlotPool(StaticKVCache):
         return self.rows.valid.shape[1]
 
     def load_row(self, r: int, src: KVCache) -> None:
-        """Row r becomes a copy of the one-row prefilled cache `src` (any method and budget that fits), in place:
-        buffer addresses never change, so a compiled (CUDA-graph) step keeps running on the new row."""
+        """Row r becomes a copy of the one-row prefilled cache `src` (any method and budget that fits), in
+        place: buffer addresses never change, so a compiled (CUDA-graph) step keeps running on the new row."""
         n, cap = src.rows.n, self.capacity
         need = slots_needed(src.method, src._prompt_width, src.max_new_tokens or 0)
         if need > cap:
@@ -79,15 +79,16 @@ class SlotPool(StaticKVCache):
         self._next_slot[r] = n
 
     def idle_row(self, r: int) -> None:
-        """Row r holds no request: a ring of one slot at 0 (valid, so its softmax stays finite), never read."""
+        """Row r holds no request: a ring of one slot at 0 (valid, so its softmax stays finite), never
+        read."""
         self.rows.valid[r].fill_(False)
         self.rows.valid[r, 0] = True
         self.rows.tail[r], self._sink[r], self._ring[r], self._slots[r] = 1, 0, True, 1
         self.rows.next_pos[r] = 0  # its positions never reach another row's rotary scaling (dynamic RoPE)
 
     def grow(self, capacity: int) -> None:
-        """More slots per row (a longer request arrived): new buffers, contents kept. A compiled step sees a new
-        shape and compiles once more."""
+        """More slots per row (a longer request arrived): new buffers, contents kept. A compiled step sees a
+        new shape and compiles once more."""
         extra = capacity - self.capacity
         if extra <= 0:
             return

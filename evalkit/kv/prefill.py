@@ -1,4 +1,5 @@
-"""One prefill for many budgets: record what a prefill hands the cache, then build other methods' caches from it.
+"""One prefill for many budgets: record what a prefill hands the cache, then build other methods' caches from
+it.
 
 A budget sweep of one method runs the same prompts B times, and the prefill (full attention over the whole
 prompt) is identical in every run: only the compression after it and the decode differ. So the first run
@@ -47,9 +48,9 @@ def populate(cache, record: PrefillRecord) -> None:
     window = getattr(cache.method, "window", 0)  # the queries this method scores the prompt with
     if window > record.window:
         raise ValueError(
-            f"{cache.method.name}: window={window} scores the prompt with its last {window} queries, but this "
-            f"prefill record holds {record.window}: record with PrefillRecord(window=...) at least the largest "
-            "window of the methods that replay it"
+            f"{cache.method.name}: window={window} scores the prompt with its last {window} queries, but "
+            f"this prefill record holds {record.window}: record with PrefillRecord(window=...) at least the "
+            "largest window of the methods that replay it"
         )
     for idx, layer in enumerate(cache.layers):
         keys, values, queries, scaling = record.layers[idx]

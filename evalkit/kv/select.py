@@ -2,13 +2,14 @@
 
 The reference is SnapKV's own code (FasterDecoding/SnapKV, `snapkv/monkeypatch/snapkv_utils.py`,
 `SnapKVCluster.update_kv`) and kvpress's `SnapKVPress` (`kvpress/presses/snapkv_press.py`), which agree on:
-the observation window's queries (the last w prompt positions) attend, softmax in float32, to **all** prompt keys,
-causally inside the window; the window's own columns are dropped; the rest is summed over the window's queries
-and average-pooled along the sequence (kernel k, stride 1, zero padding k // 2, divided by k). Where they differ,
-evalkit follows kvpress on GQA (the query heads sharing a KV head are averaged, so each KV head keeps one index
-set and memory really shrinks; SnapKV repeats the KV heads and keeps one set per query head) and SnapKV on the
-sum over the window (kvpress's mean is the same ranking). Only after pooling is the choice restricted to the
-layout's `candidates`: a token next to a sink is ranked with its neighbours' real attention, as upstream.
+the observation window's queries (the last w prompt positions) attend, softmax in float32, to **all** prompt
+keys, causally inside the window; the window's own columns are dropped; the rest is summed over the window's
+queries and average-pooled along the sequence (kernel k, stride 1, zero padding k // 2, divided by k). Where
+they differ, evalkit follows kvpress on GQA (the query heads sharing a KV head are averaged, so each KV head
+keeps one index set and memory really shrinks; SnapKV repeats the KV heads and keeps one set per query head)
+and SnapKV on the sum over the window (kvpress's mean is the same ranking). Only after pooling is the choice
+restricted to the layout's `candidates`: a token next to a sink is ranked with its neighbours' real attention,
+as upstream.
 
 evalkit's own choices: the model's attention scaling (upstream: 1 / sqrt(head_dim), the same for Llama and
 Qwen), float32 from the softmax to the scores (upstream rounds the probabilities to the model dtype first),
@@ -27,9 +28,9 @@ _MAX_SCORE_ELEMENTS = 1 << 27
 def window_mask(pad: torch.Tensor, t: int, w: int) -> torch.Tensor:
     """(B, w, T) bool: key columns each observation-window query may see.
 
-    The window is the last w columns of a left-padded prompt of width T; a query sees the real (non-pad) columns
-    up to its own (causal inside the window, as SnapKV's and kvpress's triangular masks). A window query that is
-    itself a pad (a prompt shorter than the window) sees nothing.
+    The window is the last w columns of a left-padded prompt of width T; a query sees the real (non-pad)
+    columns up to its own (causal inside the window, as SnapKV's and kvpress's triangular masks). A window
+    query that is itself a pad (a prompt shorter than the window) sees nothing.
     """
     cols = torch.arange(t, device=pad.device)
     query_cols = torch.arange(t - w, t, device=pad.device)  # (w,) column of each window query

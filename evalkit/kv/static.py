@@ -2,9 +2,9 @@
 
 The buffers' shapes never change after prefill (append methods allocate prompt + `max_new_tokens` slots up
 front), the per-step state lives in device tensors updated in place by the first layer of each forward (this
-step's slot per row, the next position, the valid-slot mask), and attention reads every slot under that mask. No
-host sync, no Python branch on data, no Python counter inside the step: `torch.compile(fullgraph=True)` captures
-it once per (batch, slots). Prefill and compression are the dynamic cache's (`evalkit.kv.cache`).
+step's slot per row, the next position, the valid-slot mask), and attention reads every slot under that mask.
+No host sync, no Python branch on data, no Python counter inside the step: `torch.compile(fullgraph=True)`
+captures it once per (batch, slots). Prefill and compression are the dynamic cache's (`evalkit.kv.cache`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ def pin(*tensors: torch.Tensor) -> None:
 
 
 def compile_config(model, backend="inductor", mode: str | None = None) -> CompileConfig:
-    """How a static cache's decode forward compiles (`evalkit.kv.generate`, the engine): one graph (fullgraph: a graph break is an error, not a slow
-    path), specialised to its shapes (dynamic=False: a static cache has one shape per batch and slot count).
+    """How a static cache's decode forward compiles (`evalkit.kv.generate`, the engine): one graph (fullgraph:
+    a graph break is an error, not a slow path), specialised to its shapes (dynamic=False: a static cache has
+    one shape per batch and slot count).
 
     Inductor with CUDA graphs (`reduce-overhead`) on CUDA, plain inductor elsewhere; `backend` may be any
     torch.compile backend (tests count compilations with their own)."""
@@ -50,8 +51,8 @@ class StaticKVCache(KVCache):
             return max_new_tokens
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(
-                f"{self.method.name}: a static cache (compile) appends every new token into a slot allocated at "
-                f"prefill, so it needs max_new_tokens (a positive integer), got {max_new_tokens!r}"
+                f"{self.method.name}: a static cache (compile) appends every new token into a slot allocated "
+                f"at prefill, so it needs max_new_tokens (a positive integer), got {max_new_tokens!r}"
             )
         return max_new_tokens
 
@@ -89,8 +90,8 @@ class StaticKVCache(KVCache):
         """One token per row into this step's slot, written with tensor indices; returns the whole buffers."""
         if k.shape[2] != 1:  # a shape, so decided when the graph is traced
             raise ValueError(
-                f"{self.method.name}: a static cache (compile) decodes one token per forward after prefill (got "
-                f"{k.shape[2]}); chunked prefill and multi-token continuation need compile off"
+                f"{self.method.name}: a static cache (compile) decodes one token per forward after prefill "
+                f"(got {k.shape[2]}); chunked prefill and multi-token continuation need compile off"
             )
         if layer.layer_idx == 0:  # the step's first layer advances the state every layer shares
             self._advance_state()

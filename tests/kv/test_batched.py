@@ -1,6 +1,7 @@
-"""Batched generation (left padding, per-row selection and ring positions) equals batch size 1, token for token:
-a left-padded batch decodes through the engine (`evalkit.kv.generate`, each row in its own slot of one pool),
-each row alone through transformers' decode loop with the dynamic cache; the dynamic cache refuses such a batch."""
+"""Batched generation (left padding, per-row selection and ring positions) equals batch size 1, token for
+token: a left-padded batch decodes through the engine (`evalkit.kv.generate`, each row in its own slot of one
+pool), each row alone through transformers' decode loop with the dynamic cache; the dynamic cache refuses such
+a batch."""
 
 import pytest
 import torch

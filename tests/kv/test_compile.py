@@ -81,13 +81,13 @@ def assert_same_generation(got, want, logits_atol: float):
     }
 
 
-# --- the static cache, eager: the bookkeeping on the device equals the host's --------------------------------
+# --- the static cache, eager: the bookkeeping on the device equals the host's -------------------------------
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
 @pytest.mark.parametrize("method", METHODS, ids=IDS)
 def test_static_cache_equals_default_cache(arch, method):
-    """Left-padded batch with prompts shorter than the budget (40: padded top-K; 12: shorter than sink + recent,
-    so the ring fills slot by slot) and rings that wrap: each row of the static batch equals that row decoded
-    alone with the default (dynamic) cache."""
+    """Left-padded batch with prompts shorter than the budget (40: padded top-K; 12: shorter than sink +
+    recent, so the ring fills slot by slot) and rings that wrap: each row of the static batch equals that row
+    decoded alone with the default (dynamic) cache."""
     model = tiny_model(arch, seed=1)
     rows = prompts((150, 97, 40, 12))
     ids, mask, width = left_pad(rows)

@@ -1,6 +1,6 @@
-"""Continuous batching (`evalkit.engine`): every request decodes exactly as `model.generate` would alone (greedy
-and sampled, every method, any row count), finished rows are refilled at once, a prompt's budgets share one
-prefill and decode as rows of one batch, and the compiled step is one graph across refills."""
+"""Continuous batching (`evalkit.engine`): every request decodes exactly as `model.generate` would alone
+(greedy and sampled, every method, any row count), finished rows are refilled at once, a prompt's budgets
+share one prefill and decode as rows of one batch, and the compiled step is one graph across refills."""
 
 import gc
 import weakref
@@ -75,7 +75,8 @@ def test_every_request_decodes_as_generate_alone(arch, sample):
 
 def test_min_new_tokens_and_logits_as_transformers():
     """A request keeps EOS out until `min_new` tokens and keeps each step's raw float32 logits: the tokens and
-    logits of `model.generate(min_new_tokens=..., output_logits=True)` alone; without `min_new` it ends at EOS."""
+    logits of `model.generate(min_new_tokens=..., output_logits=True)` alone; without `min_new` it ends at
+    EOS."""
     model = tiny_model("llama", seed=3)
     ids, method = prompts()[0], SnapStream(budget=64, recent=16, window=8)
     free = alone(model, ids, method, False, 0)

@@ -1,4 +1,5 @@
-"""GPU checks (`make test-gpu` / scripts/gpu_check.sh): bf16 + sdpa on CUDA, random weights of real architectures.
+"""GPU checks (`make test-gpu` / scripts/gpu_check.sh): bf16 + sdpa on CUDA, random weights of real
+architectures.
 
 Skipped without CUDA. On a GPU, sdpa dispatches to flash / memory-efficient kernels; evalkit's caches must
 still reproduce the full cache when the budget holds everything, and keep the ring exact past wrap-around.

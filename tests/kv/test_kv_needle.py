@@ -1,10 +1,10 @@
 """A real signal on the embedded model: a number hidden mid-prompt (~1.5k tokens) survives SnapStream's
 budget of 320 but not StreamingLLM's. Greedy decoding on a CPU is deterministic, so the pattern is fixed.
 
-Budget 320, not 256: 256 is the edge where this 135M model starts to cut the 7-digit number short. With SnapKV's
-published scoring (all-keys softmax) seed 2 answers "2536." at 256 although more of the needle is kept than
-under the earlier candidates-only scoring (61% vs 58% of needle entries per layer and head); at 320 all three
-seeds retrieve it, and StreamingLLM still cannot (the needle is ~750 tokens before its window)."""
+Budget 320, not 256: 256 is the edge where this 135M model starts to cut the 7-digit number short. With
+SnapKV's published scoring (all-keys softmax) seed 2 answers "2536." at 256 although more of the needle is
+kept than under the earlier candidates-only scoring (61% vs 58% of needle entries per layer and head); at 320
+all three seeds retrieve it, and StreamingLLM still cannot (the needle is ~750 tokens before its window)."""
 
 from evalkit.demo import run
 from evalkit.kv.config import make_method

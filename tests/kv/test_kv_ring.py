@@ -1,4 +1,5 @@
-"""The ring buffer: exact layout after N decode steps, static buffers, the paper's worked example, short prompts."""
+"""The ring buffer: exact layout after N decode steps, static buffers, the paper's worked example, short
+prompts."""
 
 import torch
 
@@ -17,7 +18,8 @@ def decode(model, cache, ids, steps):
 
 
 def test_paper_worked_example():
-    """L = 26 (last prompt position), sink 1, recent 4: `[0 | 25 26 23 24 | top-K]`; position 27 replaces 23."""
+    """L = 26 (last prompt position), sink 1, recent 4: `[0 | 25 26 23 24 | top-K]`; position 27 replaces
+    23."""
     model = tiny_model("llama")
     method = SnapStream(budget=8, sink=1, recent=4, window=4, pool_kernel=3)
     cache = KVCache.for_model(method, model)
@@ -121,7 +123,8 @@ def test_prompt_shorter_than_sinks():
 
 
 def test_middle_shorter_than_topk_is_kept_whole_and_rest_padded():
-    """valid_topk = min(max(L - sink - recent, 0), K): 30 - 4 - 8 = 18 of K = 36 top-K slots hold the middle."""
+    """valid_topk = min(max(L - sink - recent, 0), K): 30 - 4 - 8 = 18 of K = 36 top-K slots hold the
+    middle."""
     model = tiny_model("llama")
     cache = KVCache.for_model(SnapStream(budget=48, sink=4, recent=8, window=8), model)
     next(decode(model, cache, torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(4)), 0))

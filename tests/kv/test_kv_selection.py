@@ -32,18 +32,22 @@ def published_scores(q, k, kernel, scaling, cache_heads):
     q, k = q.double(), k.double()
     h_q, w, _ = q.shape
     h_attn, L, _ = k.shape
-    # mistral_hijack_4_37.py: `key_states = repeat_kv(key_states, self.num_key_value_groups)` ahead of update_kv
+    # mistral_hijack_4_37.py: `key_states = repeat_kv(key_states, self.num_key_value_groups)`
+    #     ahead of update_kv
     k = k.repeat_interleave(h_q // h_attn, dim=0)  # (H_q, L, D)
     # snapkv_utils.py: `attn_weights = torch.matmul(query_states[..., -self.window_size:, :],
-    #     key_states.transpose(2, 3)) / math.sqrt(head_dim)` (evalkit: the model's scaling, the same for Llama)
+    #     key_states.transpose(2, 3)) / math.sqrt(head_dim)`
+    #     (evalkit: the model's scaling, the same for Llama)
     logits = q @ k.transpose(-1, -2) * scaling  # (H_q, w, L): every prompt key, not only the candidates
     # snapkv_utils.py: `mask.masked_fill_(mask_cond < (mask_cond + 1).view(mask.size(-1), 1), 0)`;
-    #     `attn_weights[:, :, -self.window_size:, -self.window_size:] += attention_mask` (causal in the window)
+    #     `attn_weights[:, :, -self.window_size:, -self.window_size:] += attention_mask`
+    #     (causal in the window)
     later = torch.ones(w, w, dtype=torch.bool).triu(1)  # window key j is after window query i
     logits[:, :, L - w :] = logits[:, :, L - w :].masked_fill(later, float("-inf"))
     # snapkv_utils.py: `attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32)`
     probs = logits.softmax(dim=-1)
-    # snapkv_utils.py: `attn_weights_sum = attn_weights[:, :, -self.window_size:, : -self.window_size].sum(dim = -2)`
+    # snapkv_utils.py:
+    #     `attn_weights_sum = attn_weights[:, :, -self.window_size:, : -self.window_size].sum(dim = -2)`
     summed = probs[:, :, : L - w].sum(dim=1)  # (H_q, L - w)
     # snapkv_utils.py: `F.avg_pool1d(attn_weights_sum, kernel_size = self.kernel_size,
     #     padding=self.kernel_size//2, stride=1)`: zero padding, every window divided by the kernel
@@ -89,7 +93,7 @@ def held_sets(cache, layer, row):
     return [set(h[h >= 0].tolist()) for h in held]
 
 
-# --- random tensors: evalkit's cache layer against the reference, per batch row ------------------------------
+# --- random tensors: evalkit's cache layer against the reference, per batch row -----------------------------
 
 
 def compress_random(method, lengths, layout, seed, scaling=0.3):
@@ -169,7 +173,8 @@ def test_softmax_runs_over_all_prompt_keys():
 
 def test_pooling_sees_the_sinks_before_the_choice_is_restricted():
     """A token next to a sink ranks with the sink's attention in its pooling window (SnapKV pools the real
-    attention of every non-window position); masking the sinks before pooling would pick position 20 instead."""
+    attention of every non-window position); masking the sinks before pooling would pick position 20
+    instead."""
     method = SnapStream(budget=8, sink=4, recent=3, window=1, pool_kernel=5)  # top-K = 1
     L = 40
     logits = torch.zeros(1, L)
@@ -241,8 +246,8 @@ def smollm2_prompts(tok):
 
 @pytest.mark.parametrize("kind", ["ruler", "natural"])
 def test_smollm2_matches_published_reference(smollm2, kind, spy):
-    """Budgets 128/256/512 (window 32, kernel 7): one prefill, the other budgets replayed from its record, as a
-    budget sweep runs them (`evalkit.kv.prefill`)."""
+    """Budgets 128/256/512 (window 32, kernel 7): one prefill, the other budgets replayed from its record, as
+    a budget sweep runs them (`evalkit.kv.prefill`)."""
     model, tok = smollm2
     text = smollm2_prompts(tok)[kind]
     ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]

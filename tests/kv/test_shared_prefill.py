@@ -1,4 +1,5 @@
-"""One prefill for many budgets gives results identical to separate runs (API level and through the runner)."""
+"""One prefill for many budgets gives results identical to separate runs (API level and through the
+runner)."""
 
 import json
 import subprocess
