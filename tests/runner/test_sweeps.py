@@ -29,7 +29,7 @@ SWEEP = [
 def launcher(name: str):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(
-            "config", overrides=[f"hydra/launcher={name}"], return_hydra_config=True
+            "eval", overrides=[f"hydra/launcher={name}"], return_hydra_config=True
         ).hydra.launcher
 
 
