@@ -154,7 +154,7 @@ def check_budget(plans: list[Plan], context: int) -> None:
     """A budget above the model's context keeps nothing more than the full cache, yet the static cache would
     be allocated at that size (tens of GB at a typo's budget): refused before the model loads."""
     for p in plans:
-        budget = getattr(p.method, "budget", None)
+        budget = p.method.budget  # None for full
         if budget is not None and budget > context:
             raise ConfigError(
                 f"method.budget={budget} is above {p.cfg.model.name}'s context of {context} tokens: no "

@@ -52,14 +52,7 @@ from evalkit.request import (
     stop_strings,
 )
 from evalkit.sample import TEMPLATE_KEY
-from evalkit.server import (  # noqa: F401  the server's checks, re-exported for their callers
-    IDENTITY,
-    ServedError,
-    identity,
-    pin_server,
-    provenance,
-    server_report,
-)
+from evalkit.server import ServedError, pin_server, provenance, server_report
 
 APIS = ("completions", "chat")
 # /models entry fields that identify what is served (others, like `created`, change on every call)

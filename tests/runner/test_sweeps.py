@@ -28,9 +28,7 @@ SWEEP = [
 
 def launcher(name: str):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(
-            "eval", overrides=[f"hydra/launcher={name}"], return_hydra_config=True
-        ).hydra.launcher
+        return compose("eval", overrides=[f"hydra/launcher={name}"], return_hydra_config=True).hydra.launcher
 
 
 def test_submitit_local_conf_lists_every_setting_of_the_plugins_schema():
