@@ -18,7 +18,8 @@ from evalkit.report.config import ReportConfigError, ReportSettings
 from evalkit.report.pairing import Pairing, PairingError, pair, partner
 from evalkit.report.runs import Run, RunError, load_runs, unfinished
 
-GROUP = ["model", "task", "method", "settings"]  # one configuration, apart from its budget
+# one configuration, apart from its budget; query-agnostic runs (`query_aware: false`) are other ones
+GROUP = ["model", "task", "method", "settings", "query_aware"]
 
 
 @dataclass
@@ -31,10 +32,23 @@ class Report:
     missing: list[str] = field(default_factory=list)
     by_task: list[dict] = field(default_factory=list)  # recommendation per (model, task, method, settings)
     by_model: list[dict] = field(default_factory=list)  # per (model, method, settings), across tasks
+    lengths: dict[str, dict] = field(default_factory=dict)  # compressed run -> lengths.per_problem (the plot)
+    query: pd.DataFrame = field(default_factory=pd.DataFrame)  # query-agnostic vs query-aware, per metric key
 
     @property
     def headline(self) -> pd.DataFrame:
         return self.cells[self.cells.is_headline] if len(self.cells) else self.cells
+
+
+def effective_gains(memory: dict, lengths: dict) -> dict:
+    """Per hardware, the effective decode gain: the memory-bound tok/s gain the budget allows times full
+    tokens / compressed tokens (the tokens the deployer must generate for the same work)."""
+    gain = lengths.get("token_gain")
+    return {
+        f"effective_gain_{k.removeprefix('tok_s_gain_')}": None if v is None or gain is None else v * gain
+        for k, v in memory.items()
+        if k.startswith("tok_s_gain_")
+    }
 
 
 def _cell_rows(p: Pairing, memory: dict) -> list[dict]:
@@ -44,12 +58,15 @@ def _cell_rows(p: Pairing, memory: dict) -> list[dict]:
         "task": comp.task,
         "method": comp.method,
         "settings": comp.settings,
+        "query_aware": comp.query_aware,
         "budget": comp.budget,
         "run": comp.rel,
         "full_run": p.full.rel,
         "only_compressed": len(p.only_compressed),
         "only_full": len(p.only_full),
         "kv_kept_fraction": comp.metrics.kv.get("kept_fraction"),
+        **p.lengths,
+        **effective_gains(memory, p.lengths),
     }
     return [
         {**base, "metric": key, "is_headline": key == comp.headline, **cell, **memory}
@@ -77,7 +94,7 @@ def pair_all(runs: list[Run], settings: ReportSettings) -> tuple[list[Pairing], 
     return pairings, problems
 
 
-def _memory(p: Pairing, hardware, settings: ReportSettings, problems: list[str], full_rows: dict) -> dict:
+def memory_of(p: Pairing, hardware, settings: ReportSettings, problems: list[str], full_rows: dict) -> dict:
     try:
         if p.full.rel not in full_rows:
             full_rows[p.full.rel] = p.full.samples()  # read once per full run: its request lengths
@@ -106,9 +123,10 @@ def build(settings: ReportSettings) -> Report:
     pairings, problems = pair_all(runs, settings)
     problems = bad_files + problems
     hardware = load_hardware(settings.hardware)
-    rows, notes, full_rows = [], [], {}
+    rows, notes, full_rows, report_lengths = [], [], {}, {}
     for p in pairings:
-        rows += _cell_rows(p, _memory(p, hardware, settings, problems, full_rows))
+        rows += _cell_rows(p, memory_of(p, hardware, settings, problems, full_rows))
+        report_lengths[p.compressed.rel] = p.per_problem
         notes += p.notes
         if p.only_compressed or p.only_full:
             notes.append(
@@ -119,7 +137,8 @@ def build(settings: ReportSettings) -> Report:
     cells = pd.DataFrame(rows)
     if len(cells):
         cells = cells.sort_values(GROUP + ["budget", "metric"]).reset_index(drop=True)
-    report = Report(settings, runs, cells, problems, notes)
+    report = Report(settings, runs, cells, problems, notes, lengths=report_lengths)
+    report.query = query_cells(runs, settings, problems, notes)
     report.missing = missing_cells(runs, settings) + unfinished(settings.results_dir)
     report.by_task = recommend_tasks(report.headline)
     report.by_model = recommend_models(report.headline, runs)
@@ -132,7 +151,29 @@ def build(settings: ReportSettings) -> Report:
 
 
 def _gains(row) -> dict:
-    return {k: row[k] for k in row.index if k.startswith("tok_s_gain_") or k == "memory_saving"}
+    return {
+        k: row[k]
+        for k in row.index
+        if k.startswith(("tok_s_gain_", "effective_gain_")) or k in ("memory_saving", "token_gain")
+    }
+
+
+def gain_check(row) -> tuple[bool | None, str]:
+    """(effective gain above 1 on every hardware, why not): None when it could not be computed (no output
+    lengths recorded, or no memory model joined), and then the reason."""
+    hw = [k.removeprefix("effective_gain_") for k in row.index if k.startswith("effective_gain_")]
+    gains = {h: row[f"effective_gain_{h}"] for h in hw}
+    if not gains or any(v is None or pd.isna(v) for v in gains.values()):
+        why = "no output lengths recorded" if pd.isna(row.get("token_gain")) else "memory model not joined"
+        return None, f"effective gain not computed ({why})"
+    if all(v > 1 for v in gains.values()):
+        return True, ""
+    eff = ", ".join(f"{v:.2f}x on {h}" for h, v in gains.items())
+    tok = ", ".join(f"{row[f'tok_s_gain_{h}']:.2f}x" for h in hw)
+    return False, (
+        f"{int(row.budget)}: length inflation erases the gain (effective gain {eff}: memory-bound gain {tok} "
+        f"x full/compressed tokens {row.token_gain:.2f})"
+    )
 
 
 def _undecided(rows: pd.DataFrame) -> str:
@@ -149,40 +190,63 @@ def _undecided(rows: pd.DataFrame) -> str:
 
 
 def recommend_tasks(head: pd.DataFrame) -> list[dict]:
+    """The smallest budget that is non-inferior and whose effective decode gain is above 1 (a budget whose
+    longer outputs eat its memory gain buys nothing, and the status says so)."""
     out = []
     if head.empty:
         return out
     for key, rows in head.groupby(GROUP, sort=True):
         rows = rows.sort_values("budget")
-        ok = rows[rows.verdict == "non-inferior"]
         rec = dict(zip(GROUP, key)) | {"budgets": [int(b) for b in rows.budget]}
-        if len(ok):
-            best = ok.iloc[0]
+        erased = []  # non-inferior budgets refused: their length inflation erases the gain
+        for _, best in rows[rows.verdict == "non-inferior"].iterrows():
+            ok, why = gain_check(best)
+            if ok is False:
+                erased.append(why)
+                continue
             rec |= {
                 "budget": int(best.budget),
                 "diff": best.paired_diff,
                 "ci": (best.ci_low, best.ci_high),
                 **_gains(best),
-                "status": "non-inferior",
+                "status": "; ".join(["non-inferior", *filter(None, [why]), *erased]),
             }
+            break
         else:
-            rec |= {"budget": None, "status": _undecided(rows)}
+            status = "non-inferior but " + "; ".join(erased) if erased else _undecided(rows)
+            rec |= {"budget": None, "status": status}
         out.append(rec)
     return out
 
 
+def _qualifies(row) -> str:
+    """A cell's standing for the per-model recommendation: its verdict, or why a non-inferior one fails."""
+    if row.verdict != "non-inferior":
+        return row.verdict
+    return "non-inferior" if gain_check(row)[0] is not False else "effective gain <= 1"
+
+
 def recommend_models(head: pd.DataFrame, runs: list[Run]) -> list[dict]:
-    """Smallest budget non-inferior on every task the model was evaluated on (a task without that budget,
-    or without a pairable run, disqualifies it: 'evaluated on every task' is checked, never assumed)."""
+    """Smallest budget non-inferior, with an effective gain above 1, on every task the model was evaluated
+    on (a task without that budget, or without a pairable run, disqualifies it: 'evaluated on every task' is
+    checked, never assumed)."""
     out = []
     if head.empty:
         return out
     tasks = defaultdict(set)
     for r in runs:
         tasks[r.model].add(r.task)
-    for (model, method, settings), rows in head.groupby(["model", "method", "settings"], sort=True):
-        verdicts = {(t, int(b)): v for t, b, v in zip(rows.task, rows.budget, rows.verdict)}
-        rec = {"model": model, "method": method, "settings": settings, "tasks": sorted(tasks[model])}
+    for (model, method, settings, aware), rows in head.groupby(
+        ["model", "method", "settings", "query_aware"], sort=True
+    ):
+        verdicts = {(r.task, int(r.budget)): _qualifies(r) for _, r in rows.iterrows()}
+        rec = {
+            "model": model,
+            "method": method,
+            "settings": settings,
+            "query_aware": aware,
+            "tasks": sorted(tasks[model]),
+        }
         for budget in sorted({b for _, b in verdicts}):
             short = [t for t in rec["tasks"] if verdicts.get((t, budget)) != "non-inferior"]
             if not short:
@@ -193,6 +257,53 @@ def recommend_models(head: pd.DataFrame, runs: list[Run]) -> list[dict]:
             rec |= {"budget": None, "status": "no budget is non-inferior on every task"}
         out.append(rec)
     return out
+
+
+# --- query-agnostic vs query-aware --------------------------------------------------------------------------
+# The same model, task, method, settings and budget on the same problems, compressed before (query-agnostic)
+# and after (query-aware) the question was seen: the same paired statistics, the query-aware run as reference.
+
+
+def query_pairs(runs: list[Run], notes: list[str]) -> list[tuple[Run, Run]]:
+    """(query-agnostic run, the query-aware run it is compared with); a note for one without a partner."""
+    aware = defaultdict(list)
+    for r in runs:
+        if not r.is_full and r.query_aware:
+            aware[(r.model, r.task, r.method, r.settings, r.budget, r.base_generation)].append(r)
+    out = []
+    for r in runs:
+        if r.is_full or r.query_aware:
+            continue
+        match = aware.get((r.model, r.task, r.method, r.settings, r.budget, r.base_generation), [])
+        if len(match) == 1:
+            out.append((r, match[0]))
+        else:
+            notes.append(
+                f"{r.rel}: query-agnostic, {'several' if match else 'no'} query-aware run(s) of the same "
+                f"budget and generation settings to compare with"
+                + (f": {[m.rel for m in match]}" if match else " (run it with query_aware=true)")
+            )
+    return out
+
+
+def query_cells(runs: list[Run], settings: ReportSettings, problems: list[str], notes: list[str]):
+    rows = []
+    for agnostic, aware in query_pairs(runs, notes):
+        try:
+            if agnostic.identity["scoring"] != aware.identity["scoring"]:
+                raise PairingError(f"{agnostic.rel} cannot be compared with {aware.rel}: scored differently")
+            p = pair(agnostic, aware, settings)
+        except (PairingError, RunError) as e:
+            problems.append(str(e))
+            continue
+        base = {k: getattr(agnostic, k) for k in ("model", "task", "method", "settings", "budget")}
+        base |= {"run": agnostic.rel, "aware_run": aware.rel, **p.lengths}
+        rows += [
+            {**base, "metric": key, "is_headline": key == agnostic.headline, **cell}
+            for key, cell in sorted(p.cells.items())
+        ]
+    cells = pd.DataFrame(rows)
+    return cells.sort_values(GROUP[:4] + ["budget", "metric"]).reset_index(drop=True) if len(cells) else cells
 
 
 def missing_cells(runs: list[Run], settings: ReportSettings) -> list[str]:

@@ -16,6 +16,7 @@ import numpy as np
 
 from evalkit import identity
 from evalkit.errors import EvalkitError
+from evalkit.report.lengths import length_stats, per_problem
 from evalkit.report.runs import Run, RunError
 from evalkit.report.stats import StatSettings, compare
 
@@ -39,8 +40,10 @@ LABELS = {"data_hash": "data hash", "setup": "task.setup", "headline": "task.hea
 
 
 def generation_fields(run: Run) -> dict:
+    """What must be equal for a full partner: the generation identity's fields but `query_aware`."""
     m = run.metrics
-    return _flat(identity.generation_fields(run.config, m.task_version, m.data_hash))
+    config = {k: v for k, v in run.config.items() if k != "query_aware"}
+    return _flat(identity.generation_fields(config, m.task_version, m.data_hash))
 
 
 def scoring_fields(run: Run) -> dict:
@@ -59,16 +62,20 @@ def differences(a: Run, b: Run, fields, key: str) -> str:
 
 
 def partner(run: Run, fulls: list[Run]) -> Run:
-    """The one full run `run` can be compared with, or PairingError saying why there is none."""
+    """The one full run `run` can be compared with, or PairingError saying why there is none. `query_aware`
+    is no difference here (a full cache keeps everything either way); of two full runs differing only in it,
+    the one with the run's own setting."""
     if not fulls:
         raise PairingError(
             f"{run.rel}: no `full` run of model {run.model} on task {run.task}: run "
             f"`make eval TASK={run.task} MODEL={run.model} METHOD=full` with the same task settings"
         )
-    gid = run.identity["generation"]
+    gid = run.base_generation
     if gid is None:
         raise PairingError(f"{run.rel}: metrics.json has neither `identity` nor `provenance.config`")
-    same = [f for f in fulls if f.identity["generation"] == gid]
+    same = [f for f in fulls if f.base_generation == gid]
+    if len(same) > 1:
+        same = [f for f in same if f.query_aware == run.query_aware] or same
     if not same:
         raise PairingError(
             "; ".join(
@@ -122,6 +129,8 @@ class Pairing:
     only_full: list[str]
     cells: dict[str, dict] = field(default_factory=dict)  # metric key -> stats.compare() output
     notes: list[str] = field(default_factory=list)
+    per_problem: dict = field(default_factory=dict)  # lengths.per_problem: tokens and failures per problem
+    lengths: dict = field(default_factory=dict)  # lengths.length_stats: the run's length and failure columns
 
 
 def wanted(key: str, headline: str, extras: list[str]) -> bool:
@@ -196,6 +205,8 @@ def pair(comp: Run, full: Run, settings, full_rows: dict | None = None) -> Pairi
             "derived from provenance.config"
         )
     s: StatSettings = settings.stats_for(comp.task)
+    p.per_problem = per_problem(c_rows, f_rows, ids)
+    p.lengths = length_stats(p.per_problem, s.confidence)
     for key, (c, f, binary, left_out) in paired_values(
         c_rows, f_rows, ids, comp.headline, settings.extras_for(comp.task)
     ).items():

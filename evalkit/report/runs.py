@@ -69,6 +69,22 @@ class Run:
         rest = tag.split("-", 1)[1] if "-" in tag else ""
         return rest or "default"
 
+    @property
+    def query_aware(self) -> bool:
+        """The run setting `query_aware` (its saved config): False = compressed before the question was seen.
+        A run without the key predates the setting and was query-aware."""
+        return self.config.get("query_aware", True) is not False
+
+    @cached_property
+    def base_generation(self) -> str | None:
+        """The generation identity without `query_aware`: what a query-agnostic run shares with the full run
+        and with the query-aware run it is compared with (a full cache is the same either way)."""
+        if not self.config or "query_aware" not in self.config:
+            return self.identity["generation"]
+        config = {k: v for k, v in self.config.items() if k != "query_aware"}
+        m = self.metrics
+        return hashes(config, m.task_version, m.data_hash, m.scorer_version)["generation"]
+
     @cached_property
     def identity(self) -> dict:
         """{generation, method, scoring, source}: recorded by the runner, or derived here from the resolved

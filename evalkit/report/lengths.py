@@ -1,0 +1,162 @@
+"""Length and failure, paired: what a compressed cache does to how much the model generates and how it ends.
+
+Eviction at low budgets can make reasoning traces longer, loop, or stop without an answer; a budget that keeps
+accuracy but doubles the output gives back half the throughput its smaller cache bought. Per paired problem
+(the same sample id in both runs; repeats paired by index, the first min(k_compressed, k_full) of each):
+
+- tokens: the mean generated tokens over the problem's repeats (samples.jsonl `generation[r].output_tokens`);
+  the ratio compressed / full per problem, a 0-token side counted as 1 token;
+- length ratio: the median of the per-problem ratios, with the distribution-free CI of a median from order
+  statistics (the sign-test interval: [x_(l), x_(h)], l and h from Binomial(n, 1/2); the interval of
+  scipy.stats.quantile_test(ratios, p=0.5).confidence_interval). It needs no assumption about the ratios'
+  distribution and is the same on the ratio or its log; at 95% it is unbounded below n = 6 problems;
+- token gain: full tokens / compressed tokens summed over the paired problems (the tokens a deployer must
+  generate for the same work): what the effective decode gain multiplies the memory-bound gain by;
+- hit limit: the share of outputs that ended at the token limit (`generation[r].hit_limit`);
+- no answer: the share of outputs with nothing the task's scorer could read (NO_ANSWER: AIME no box, or cut
+  off while thinking; LiveCodeBench no code block; LongBench-v2 no choice); RULER has no such notion;
+- repetition: the share of outputs that end in a loop (`repeating_tail`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import stats as sps
+
+# Per-repeat score keys that mark an output with no extractable answer, per task family (a task reports one
+# family): the share is their sum, as the keys are disjoint outcomes of one output.
+NO_ANSWER = (
+    ("no_box", "thinking_truncated"),  # AIME: no box after the thinking, or thinking never closed
+    ("outcome/no_code",),  # LiveCodeBench: fewer than two ``` lines, nothing to run
+    ("no_answer",),  # LongBench-v2: no "The correct answer is (X)"
+)
+MIN_LOOP_WORDS = 64  # a repeating tail spans at least this many words ...
+MIN_LOOP_REPEATS = 3  # ... and at least this many copies of its period
+MAX_LOOP_PERIOD = 128  # longest period (in words) looked for
+
+
+def _tail_run(ids: np.ndarray, p: int) -> int:
+    """How many trailing positions i have ids[i] == ids[i - p]: the tail's length with period p, minus p.
+    Compares a growing window from the end, so a non-repeating output costs a few comparisons per period."""
+    a, b = ids[p:], ids[:-p]  # (n,) each: position i against position i - p
+    n, w = len(a), 64
+    while True:
+        w = min(w, n)
+        bad = np.flatnonzero(a[n - w :] != b[n - w :])
+        if len(bad):
+            return w - 1 - int(bad[-1])
+        if w == n:
+            return n
+        w *= 4
+
+
+def _periodic_tail(words: list[str]) -> bool:
+    if len(words) < MIN_LOOP_WORDS:
+        return False
+    ids = np.unique(np.array(words), return_inverse=True)[1]  # (m,) one integer per distinct word
+    for p in range(1, min(MAX_LOOP_PERIOD, len(words) // MIN_LOOP_REPEATS) + 1):
+        if _tail_run(ids, p) + p >= max(MIN_LOOP_REPEATS * p, MIN_LOOP_WORDS):
+            return True
+    return False
+
+
+def repeating_tail(text: str) -> bool:
+    """True when the output ends in a loop: among its whitespace-separated words, the last L words repeat
+    with some period p (word i equals word i - p throughout them) where 1 <= p <= MAX_LOOP_PERIOD,
+    L >= MIN_LOOP_WORDS and L >= MIN_LOOP_REPEATS * p: a p-word n-gram repeated back to back at the end.
+    The last word is also tried dropped: an output cut at the token limit may end mid-word."""
+    words = text.split()
+    return _periodic_tail(words) or _periodic_tail(words[:-1])
+
+
+def no_answer(scores: dict) -> float | None:
+    """1.0 / 0.0: this output has no extractable answer (by the task's own scorer keys); None: the task has no
+    such notion (RULER scores every output)."""
+    for keys in NO_ANSWER:
+        if all(k in scores for k in keys):
+            return float(sum(scores[k] for k in keys) > 0)
+    return None
+
+
+def _outputs(row: dict, k: int) -> list[dict] | None:
+    """The first k outputs of a samples.jsonl row: {tokens, hit_limit, limit, no_answer, repeating}; None when
+    the row lacks the per-repeat generation records."""
+    gens = row.get("generation") or []
+    preds = row.get("predictions") or []
+    reps = row.get("repeat_scores") or ([row["scores"]] if k == 1 else [])
+    if len(gens) < k or any(not isinstance(g, dict) or g.get("output_tokens") is None for g in gens[:k]):
+        return None
+    return [
+        {
+            "tokens": int(gens[r]["output_tokens"]),
+            "hit_limit": float(bool(gens[r].get("hit_limit"))),
+            "limit": gens[r].get("max_new_tokens"),
+            "no_answer": no_answer(reps[r]) if r < len(reps) else None,
+            "repeating": float(repeating_tail(preds[r])) if r < len(preds) else None,
+        }
+        for r in range(k)
+    ]
+
+
+def _repeats(row: dict) -> int:
+    return len(row.get("generation") or [None])
+
+
+def per_problem(comp: dict, full: dict, ids: list[str]) -> dict[str, np.ndarray]:
+    """Per paired problem (rows with generation records on both sides): mean tokens and the shares of hit
+    limit, no answer and repetition over its repeats, compressed (`c_`) and full (`f_`); NaN where a share is
+    not defined (no answer on RULER)."""
+    cols: dict[str, list] = {"id": [], "limit": []}
+    for sid in ids:
+        k = min(_repeats(comp[sid]), _repeats(full[sid]))
+        c, f = _outputs(comp[sid], k), _outputs(full[sid], k)
+        if c is None or f is None:
+            continue
+        cols["id"].append(sid)
+        cols["limit"].append(max((o["limit"] or 0) for o in c + f) or np.nan)
+        for side, outs in (("c", c), ("f", f)):
+            for key in ("tokens", "hit_limit", "no_answer", "repeating"):
+                vals = [o[key] for o in outs]
+                cols.setdefault(f"{side}_{key}", []).append(
+                    np.nan if any(v is None for v in vals) else float(np.mean(vals))
+                )
+    return {k: np.array(v, dtype=object if k == "id" else float) for k, v in cols.items()}
+
+
+def median_ci(x: np.ndarray, confidence: float) -> tuple[float, float]:
+    """Distribution-free CI of the median: order statistics [x_(l), x_(h)] with l = F^-1(a) - 1 and
+    h = S^-1(a) of Binomial(n, 1/2), a = (1 - confidence) / 2 (0-based; scipy.stats.quantile_test's rule).
+    A bound beyond the sample (too few problems) is NaN: unbounded."""
+    x = np.sort(np.asarray(x, dtype=float))
+    n, a = len(x), (1 - confidence) / 2
+    lo, hi = int(sps.binom.ppf(a, n, 0.5)) - 1, int(sps.binom.isf(a, n, 0.5))
+    return (float(x[lo]) if lo >= 0 else math.nan, float(x[hi]) if hi < n else math.nan)
+
+
+def _share(v: np.ndarray) -> float | None:
+    return None if len(v) == 0 or np.isnan(v).any() else float(100 * v.mean())
+
+
+def length_stats(per: dict[str, np.ndarray], confidence: float) -> dict:
+    """The report's length and failure columns from `per_problem`; {} when no problem has lengths."""
+    n = len(per["id"])
+    if n == 0:
+        return {}
+    c, f = per["c_tokens"], per["f_tokens"]
+    ratio = np.maximum(c, 1) / np.maximum(f, 1)  # (n,) compressed / full per problem
+    lo, hi = median_ci(ratio, confidence)
+    out = {
+        "n_length": n,
+        "tokens_full": float(f.mean()),
+        "tokens_compressed": float(c.mean()),
+        "length_ratio": float(np.median(ratio)),
+        "length_ratio_ci_low": lo,
+        "length_ratio_ci_high": hi,
+        "token_gain": float(max(f.sum(), 1) / max(c.sum(), 1)),
+        "token_limit": float(np.nanmax(per["limit"])) if not np.isnan(per["limit"]).all() else None,
+    }
+    for key in ("hit_limit", "no_answer", "repeating"):
+        out[f"{key}_full"], out[f"{key}_compressed"] = _share(per[f"f_{key}"]), _share(per[f"c_{key}"])
+    return out
