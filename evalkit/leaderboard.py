@@ -28,8 +28,9 @@ import pandas as pd
 
 from evalkit.errors import EvalkitError, OutputError, exit_with
 from evalkit.report import settings as report_settings
-from evalkit.report.build import pair_all
-from evalkit.report.runs import Run, load_runs
+from evalkit.report.build import join_gains, pair_all
+from evalkit.report.lengths import run_shares
+from evalkit.report.runs import Run, RunError, load_runs
 from evalkit.results import atomic_write, save_figure
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ LABELS = [
     "task",
     "method",
     "settings",
+    "query_aware",
     "budget",
     "task_version",
     "scorer_version",
@@ -61,9 +63,30 @@ PAIRED = [
 ]
 # the run's own figures, repeated on each of its rows (metrics.json: kv.*, generation.*)
 RUN_FIGURES = ["kv_kept_fraction", "kv_peak_bytes", "wall_time_s", "mean_output_tokens"]
-LONG_COLUMNS = (
-    LABELS + ["headline", "metric", "subset", "score", "stderr", "n"] + RUN_FIGURES + ["git_sha"] + PAIRED
-)
+# beside the score: the paired length columns of the report (compressed vs its full run: median per-problem
+# ratio of output tokens and its CI, full/compressed tokens, the memory-bound and effective decode gains per
+# hardware) and the run's own failure shares (percent of its outputs)
+LENGTHS = ["length_ratio", "length_ratio_ci_low", "length_ratio_ci_high", "token_gain"]
+SHARES = ["hit_limit", "no_answer", "repeating"]
+
+
+def gain_columns(hardware: list[str]) -> list[str]:
+    return [f"tok_s_gain_{h}" for h in hardware] + [f"effective_gain_{h}" for h in hardware]
+
+
+def long_columns(hardware: list[str]) -> list[str]:
+    return (
+        LABELS
+        + ["headline", "metric", "subset", "score", "stderr", "n"]
+        + LENGTHS
+        + gain_columns(hardware)
+        + SHARES
+        + RUN_FIGURES
+        + ["git_sha"]
+        + PAIRED
+    )
+
+
 # Fixed decimals per column: scores and differences in points, p-values, ratios, seconds, tokens.
 POINTS = ("score", "stderr", "paired_diff", "ci_low", "ci_high", "margin", "full", "vs_full")
 DECIMALS = (
@@ -73,6 +96,8 @@ DECIMALS = (
         "wall_time_s": 1,
         "mean_output_tokens": 1,
     }
+    | {c: 3 for c in LENGTHS}
+    | {c: 2 for c in SHARES}
 )
 WIDE_INDEX = [
     "model",
@@ -80,6 +105,7 @@ WIDE_INDEX = [
     "metric",
     "method",
     "settings",
+    "query_aware",
     "task_version",
     "scorer_version",
     "data_hash",
@@ -91,6 +117,8 @@ PER_BUDGET = {
     "ci_high": "ci_high",
     "p_value": "p",
     "verdict": "verdict",
+    "length_ratio": "length_ratio",
+    "hit_limit": "hit_limit",
 }
 
 
@@ -98,23 +126,38 @@ def labels(run: Run) -> dict:
     m = run.metrics
     return {
         "model": run.model, "task": run.task, "method": run.method, "settings": run.settings,
-        "budget": run.budget, "task_version": m.task_version, "scorer_version": m.scorer_version,
+        "query_aware": run.query_aware, "budget": run.budget, "task_version": m.task_version,
+        "scorer_version": m.scorer_version,
         "data_source": m.data_source, "data_hash": m.data_hash,
         "generation": run.identity["generation"], "run": run.rel,
     }  # fmt: skip
+
+
+def _length_figures(run: Run, pairing) -> dict:
+    """The paired length columns (empty for a full or unpaired run) and the run's own failure shares."""
+    out = {c: (pairing.lengths.get(c) if pairing else None) for c in LENGTHS}
+    out |= dict(pairing.gains) if pairing else {}
+    try:
+        return out | run_shares(run.samples())
+    except RunError:  # an empty or unreadable samples.jsonl: its shares stay empty (pairing says why)
+        return out
 
 
 def long_rows(run: Run, pairing=None) -> list[dict]:
     """One row per score key (`metric/subset`), plus mean output tokens; paired columns where paired."""
     m = run.metrics
     kv, gen = m.kv, m.generation
-    base = labels(run) | {
-        "kv_kept_fraction": kv.get("kept_fraction"),
-        "kv_peak_bytes": kv.get("peak_bytes"),
-        "wall_time_s": gen.get("wall_time_s"),
-        "mean_output_tokens": gen.get("mean_output_tokens"),
-        "git_sha": m.git_sha,
-    }
+    base = (
+        labels(run)
+        | _length_figures(run, pairing)
+        | {
+            "kv_kept_fraction": kv.get("kept_fraction"),
+            "kv_peak_bytes": kv.get("peak_bytes"),
+            "wall_time_s": gen.get("wall_time_s"),
+            "mean_output_tokens": gen.get("mean_output_tokens"),
+            "git_sha": m.git_sha,
+        }
+    )
     rows = []
     for key, v in m.scores.items():
         metric, _, subset = key.partition("/")
@@ -137,9 +180,9 @@ def long_rows(run: Run, pairing=None) -> list[dict]:
     return rows
 
 
-def long_table(runs: list[Run], pairings: dict) -> pd.DataFrame:
+def long_table(runs: list[Run], pairings: dict, hardware: list[str]) -> pd.DataFrame:
     df = pd.DataFrame(
-        [r for run in runs for r in long_rows(run, pairings.get(run.rel))], columns=LONG_COLUMNS
+        [r for run in runs for r in long_rows(run, pairings.get(run.rel))], columns=long_columns(hardware)
     )
     for c in ("budget", "n", "kv_peak_bytes", "n_paired"):
         df[c] = df[c].astype("Int64")
@@ -160,6 +203,8 @@ def rounded(df: pd.DataFrame) -> pd.DataFrame:
     for c in out.columns:
         suffix = str(c).split("_", 1)[1] if str(c)[:1].isdigit() and "_" in str(c) else str(c)
         places = DECIMALS.get(str(c), DECIMALS.get(suffix, 2 if str(c).isdigit() else None))
+        if suffix.startswith(("tok_s_gain_", "effective_gain_")):  # per hardware: ratios, like LENGTHS
+            places = 3
         if places is None:
             continue
         if out[c].dtype == object:  # a pivot of mixed columns: numbers held as objects
@@ -176,12 +221,13 @@ def to_csv(df: pd.DataFrame) -> str:
     return rounded(df).to_csv(index=False, na_rep="")
 
 
-def _headline_records(runs: list[Run], pairings: dict) -> pd.DataFrame:
+def _headline_records(runs: list[Run], pairings: dict, hardware: list[str]) -> pd.DataFrame:
     recs = []
     for run in runs:
         p = pairings.get(run.rel)
         cell = p.cells.get(run.headline, {}) if p else {}
         score = run.metrics.scores.get(run.headline, {})
+        figures = (p.lengths | {"hit_limit": p.lengths.get("hit_limit_compressed")} | p.gains) if p else {}
         full = p.full.metrics.scores.get(run.headline, {}) if p else {}
         recs.append(
             {
@@ -193,7 +239,8 @@ def _headline_records(runs: list[Run], pairings: dict) -> pd.DataFrame:
                 "n": score.get("n"),
                 "full": (score if run.is_full else full).get("mean"),
                 "full_n": (score if run.is_full else full).get("n"),
-                **{c: cell.get(c) for c in PER_BUDGET},
+                **{c: cell.get(c, figures.get(c)) for c in PER_BUDGET},
+                **{c: figures.get(c) for c in gain_columns(hardware)},
             }
         )
     df = pd.DataFrame(recs)
@@ -206,16 +253,17 @@ def _headline_records(runs: list[Run], pairings: dict) -> pd.DataFrame:
     return df
 
 
-def wide_table(runs: list[Run], pairings: dict) -> pd.DataFrame:
+def wide_table(runs: list[Run], pairings: dict, hardware: list[str]) -> pd.DataFrame:
     """One row per configuration (WIDE_INDEX), one column group per budget; `full` rows carry their score."""
     if not runs:
         return pd.DataFrame(columns=WIDE_INDEX + ["full"])
-    df = _headline_records(runs, pairings)
+    df = _headline_records(runs, pairings, hardware)
     fulls = df[df.method == "full"][WIDE_INDEX + ["full", "full_n"]]
     comp = df[df.method != "full"]
     if comp.empty:
         return fulls.reset_index(drop=True)
-    values = ["score", "n", *PER_BUDGET]
+    per_budget = PER_BUDGET | {c: c for c in gain_columns(hardware)}
+    values = ["score", "n", *per_budget]
     wide = comp.pivot(
         index=WIDE_INDEX, columns="budget", values=values
     )  # raises on duplicates: never averages
@@ -225,7 +273,7 @@ def wide_table(runs: list[Run], pairings: dict) -> pd.DataFrame:
     for b in sorted(wide.columns.get_level_values("budget").unique()):
         out[str(int(b))] = wide[("score", b)].to_numpy()
         out[f"{int(b)}_n"] = wide[("n", b)].to_numpy()
-        for col, suffix in PER_BUDGET.items():
+        for col, suffix in per_budget.items():
             out[f"{int(b)}_{suffix}"] = wide[(col, b)].to_numpy()
     out = pd.concat([fulls, out], ignore_index=True)
     for c in ["task_version", "scorer_version", "full_n"] + [c for c in out if str(c).endswith("_n")]:
@@ -344,11 +392,16 @@ def plot(runs: list[Run], out_dir: Path) -> list[Path]:
 def build(results_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, list[Path]]:
     results_dir = Path(results_dir)
     runs, _ = load_runs(results_dir)  # unreadable files are logged as warnings, naming each
-    found, problems = pair_all(runs, report_settings(results_dir=str(results_dir)))
+    s = report_settings(results_dir=str(results_dir))
+    found, problems = pair_all(runs, s)
     for problem in problems:
         log.warning("not paired: %s", problem)
+    joined: list[str] = []
+    join_gains(found, s, joined)  # the memory model, for the effective decode gain
+    for problem in joined:
+        log.warning("no effective gain: %s", problem)
     pairings = {p.compressed.rel: p for p in found}
-    long, wide = long_table(runs, pairings), wide_table(runs, pairings)
+    long, wide = long_table(runs, pairings, s.hardware), wide_table(runs, pairings, s.hardware)
     atomic_write(results_dir / "leaderboard.csv", to_csv(long))
     atomic_write(results_dir / "leaderboard_wide.csv", to_csv(wide))
     return long, wide, plot(runs, results_dir / "plots")

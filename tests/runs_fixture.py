@@ -21,19 +21,33 @@ SMOL_CONFIG = {  # the fields of SmolLM2-135M's config.json the memory model rea
 }  # fmt: skip
 
 
-def sample_row(sid: str, repeat_scores: list[dict], subset: str = "", prompt_hash: str | None = None) -> dict:
-    """A samples.jsonl row whose `scores` is the mean of its repeats (pass@1-style metrics)."""
+def sample_row(
+    sid: str,
+    repeat_scores: list[dict],
+    subset: str = "",
+    prompt_hash: str | None = None,
+    *,
+    tokens: list[int] | None = None,
+    texts: list[str] | None = None,
+    limit: int = 256,
+) -> dict:
+    """A samples.jsonl row whose `scores` is the mean of its repeats (pass@1-style metrics). `tokens`: each
+    repeat's output tokens (hit_limit where it reaches `limit`, the run's max_new_tokens); `texts`: each
+    repeat's output."""
     keys = repeat_scores[0].keys()
     scores = {k: sum(r[k] for r in repeat_scores) / len(repeat_scores) for k in keys}
+    generation = [{"output_tokens": 3} for _ in repeat_scores]
+    if tokens is not None:
+        generation = [{"output_tokens": t, "hit_limit": t >= limit, "max_new_tokens": limit} for t in tokens]
     return {
         "id": sid,
         "doc_id": int(hashlib.sha256(sid.encode()).hexdigest()[:6], 16),
         "subset": subset,
         "prompt_hash": prompt_hash or f"h-{sid}",
-        "predictions": [f"prediction {r}" for r in range(len(repeat_scores))],
+        "predictions": texts or [f"prediction {r}" for r in range(len(repeat_scores))],
         "scores": scores,
         "repeat_scores": repeat_scores,
-        "generation": [{"output_tokens": 3} for _ in repeat_scores],
+        "generation": generation,
     }
 
 
@@ -60,14 +74,18 @@ def write_run(
     identity: bool = True,
     compression: float | None = 0.25,
     peak: tuple[int, int] = (2000, 2100),
+    query_aware: bool | None = None,  # the run setting; None: a config without the key (older runs)
 ) -> Path:
     """Write `<root>/runs/<task>/<model>/<method>/<tag>/{metrics.json,samples.jsonl,config.yaml}`; the
-    generation identity hashes what determines generations (not the method), as the runner does."""
+    generation identity hashes what determines generations (not the method), as the runner does. A
+    query-agnostic run lives under `<method>-query_agnostic` (the runs folder only needs distinct paths; the
+    report reads the setting from the saved config)."""
     settings = settings or {}
     tag = ("none" if budget is None else str(budget)) + "".join(
         f"-{k}{v}" for k, v in sorted(settings.items())
     )
-    folder = Path(root) / "runs" / task / model / method / tag
+    kind = method + ("-query_agnostic" if query_aware is False else "")
+    folder = Path(root) / "runs" / task / model / kind / tag
     folder.mkdir(parents=True, exist_ok=True)
     cfg = {
         "model": {"name": model, "max_new_tokens": 256},
@@ -76,6 +94,8 @@ def write_run(
         "limit": None,
         "seed": seed,
     }
+    if query_aware is not None:
+        cfg["query_aware"] = query_aware
     method_record = {
         "name": method,
         "budget": budget,

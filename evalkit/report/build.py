@@ -51,6 +51,18 @@ def effective_gains(memory: dict, lengths: dict) -> dict:
     }
 
 
+def join_gains(pairings: list[Pairing], settings: ReportSettings, problems: list[str]) -> list[dict]:
+    """The memory model joined per pairing (a list parallel to `pairings`; {} where it could not be, with a
+    problem saying why), and each pairing's `gains`: tok_s_gain_<hw> and effective_gain_<hw>."""
+    hardware, full_rows, out = load_hardware(settings.hardware), {}, []
+    for p in pairings:
+        memory = memory_of(p, hardware, settings, problems, full_rows)
+        p.gains = {k: v for k, v in memory.items() if k.startswith("tok_s_gain_")}
+        p.gains |= effective_gains(memory, p.lengths)
+        out.append(memory)
+    return out
+
+
 def _cell_rows(p: Pairing, memory: dict) -> list[dict]:
     comp = p.compressed
     base = {
@@ -66,7 +78,7 @@ def _cell_rows(p: Pairing, memory: dict) -> list[dict]:
         "only_full": len(p.only_full),
         "kv_kept_fraction": comp.metrics.kv.get("kept_fraction"),
         **p.lengths,
-        **effective_gains(memory, p.lengths),
+        **p.gains,
     }
     return [
         {**base, "metric": key, "is_headline": key == comp.headline, **cell, **memory}
@@ -122,10 +134,9 @@ def build(settings: ReportSettings) -> Report:
     runs, bad_files = load_runs(settings.results_dir)
     pairings, problems = pair_all(runs, settings)
     problems = bad_files + problems
-    hardware = load_hardware(settings.hardware)
-    rows, notes, full_rows, report_lengths = [], [], {}, {}
-    for p in pairings:
-        rows += _cell_rows(p, memory_of(p, hardware, settings, problems, full_rows))
+    rows, notes, report_lengths = [], [], {}
+    for p, memory in zip(pairings, join_gains(pairings, settings, problems)):
+        rows += _cell_rows(p, memory)
         report_lengths[p.compressed.rel] = p.per_problem
         notes += p.notes
         if p.only_compressed or p.only_full:

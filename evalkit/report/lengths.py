@@ -160,3 +160,14 @@ def length_stats(per: dict[str, np.ndarray], confidence: float) -> dict:
     for key in ("hit_limit", "no_answer", "repeating"):
         out[f"{key}_full"], out[f"{key}_compressed"] = _share(per[f"f_{key}"]), _share(per[f"c_{key}"])
     return out
+
+
+def run_shares(rows: dict[str, dict]) -> dict:
+    """A run's own failure shares over all its outputs (samples.jsonl rows by id): hit limit, no answer and
+    repeating tail in percent; None where not recorded or not defined for the task."""
+    outs = [o for row in rows.values() for o in (_outputs(row, _repeats(row)) or [])]
+    out = {}
+    for key in ("hit_limit", "no_answer", "repeating"):
+        vals = [o[key] for o in outs]
+        out[key] = None if not vals or None in vals else float(100 * np.mean(vals))
+    return out

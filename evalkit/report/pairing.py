@@ -131,6 +131,7 @@ class Pairing:
     notes: list[str] = field(default_factory=list)
     per_problem: dict = field(default_factory=dict)  # lengths.per_problem: tokens and failures per problem
     lengths: dict = field(default_factory=dict)  # lengths.length_stats: the run's length and failure columns
+    gains: dict = field(default_factory=dict)  # tok_s_gain_<hw> and effective_gain_<hw>, once joined
 
 
 def wanted(key: str, headline: str, extras: list[str]) -> bool:

@@ -9,10 +9,12 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, never a display
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from evalkit.report.build import GROUP, Report  # noqa: E402
+from evalkit.report.lengths import MAX_LOOP_PERIOD, MIN_LOOP_REPEATS, MIN_LOOP_WORDS  # noqa: E402
 from evalkit.results import atomic_write, save_figure  # noqa: E402
 
 MARK = {"non-inferior": "✓", "worse": "✗", "inconclusive": "?"}
@@ -82,8 +84,10 @@ def _decide(r) -> str:
     return "unknown" if pd.isna(r.n_needed) else f"{int(r.n_needed)} (+{int(r.n_more)})"
 
 
-def _config(method: str, settings: str) -> str:
-    return method if settings == "default" else f"{method} {settings}"
+def _config(method: str, settings: str, query_aware=True) -> str:
+    """A configuration's label: `snapstream recent64`; a query-agnostic run says so."""
+    name = method if settings == "default" else f"{method} {settings}"
+    return name if query_aware is not False else f"{name} (query-agnostic)"
 
 
 # --- markdown ---------------------------------------------------------------------------------------
@@ -136,7 +140,7 @@ def _recommendation(rep: Report) -> str:
             [
                 [
                     r["model"],
-                    _config(r["method"], r["settings"]),
+                    _config(r["method"], r["settings"], r.get("query_aware")),
                     ", ".join(r["tasks"]),
                     r.get("budget") or "-",
                     r["status"]
@@ -151,26 +155,33 @@ def _recommendation(rep: Report) -> str:
     )
     lines += [
         "",
-        "Per task: the smallest non-inferior budget, its paired difference, what it saves (modelled) and the "
-        "decode gain's memory-bound upper bound (modelled; see What the budget buys).",
+        "Per task: the smallest budget that is non-inferior and whose effective decode gain is above 1 on "
+        "every hardware, its paired difference, what it saves (modelled), the decode gain's memory-bound "
+        "upper bound (modelled; see What the budget buys), the full/compressed output tokens (measured) and "
+        "their product, the effective gain. A non-inferior budget whose longer outputs erase its gain is "
+        "named in the status, not recommended.",
         "",
     ]
     lines.append(
         _table(
             ["model", "task", "cache", "budgets run", "budget", "diff [CI]", "KV saving"]
             + [f"tok/s gain bound {h}" for h in hw]
+            + ["tokens full/compressed"]
+            + [f"effective gain {h}" for h in hw]
             + ["status"],
             [
                 [
                     r["model"],
                     r["task"],
-                    _config(r["method"], r["settings"]),
+                    _config(r["method"], r["settings"], r.get("query_aware")),
                     ", ".join(map(str, r["budgets"])),
                     r.get("budget") or "-",
                     f"{_f(r['diff'])} [{_f(r['ci'][0])}, {_f(r['ci'][1])}]" if r.get("budget") else "-",
                     _f(r.get("memory_saving"), "{:.1%}"),
                 ]
                 + [_f(r.get(f"tok_s_gain_{h}"), "{:.2f}x") for h in hw]
+                + [_f(r.get("token_gain"), "{:.2f}")]
+                + [_f(r.get(f"effective_gain_{h}"), "{:.2f}x") for h in hw]
                 + [r["status"]]
                 for r in rep.by_task
             ],
@@ -200,7 +211,7 @@ def _headline_table(rows: pd.DataFrame, min_problems: int) -> str:
         ],
         [
             [
-                _config(r.method, r.settings),
+                _config(r.method, r.settings, r.query_aware),
                 int(r.budget),
                 _f(r.kv_kept_fraction, "{:.3f}"),
                 r.n_paired,
@@ -228,7 +239,9 @@ def _memory_table(rows: pd.DataFrame, hw: list[str]) -> str:
         f"{int(first.context_prompt_tokens)}; full cache {int(first.kv_entries_full)} entries, "
         f"{_mib(first.kv_bytes_seq_full)} per sequence). **Modelled** (evalkit.memory, {kv_dtype} KV): "
         "entries, KV / sequence, saving, and per hardware the max batch whose KV fits beside the weights and "
-        "the decode tok/s gain at that batch: memory-bound upper bounds, not predictions of measured speed. "
+        "the decode tok/s gain at that batch: memory-bound upper bounds, not predictions of measured speed; "
+        "the effective gain is that bound times full / compressed output tokens (measured on the paired "
+        "problems: the tokens generated for the same work). "
         f"**Measured** by the run: kept/seen and its peak KV bytes, in the run's own dtype ({run_dtype}), so "
         f"they differ from the modelled {kv_dtype} bytes."
         + (
@@ -243,11 +256,12 @@ def _memory_table(rows: pd.DataFrame, hw: list[str]) -> str:
         ["cache", "budget", "kept/seen (measured)", "entries", f"KV / sequence ({kv_dtype})", "saving"]
         + [f"max batch bound {h} (full)" for h in hw]
         + [f"tok/s gain bound {h}" for h in hw]
+        + [f"effective gain {h}" for h in hw]
         + [f"peak KV bytes (measured, {run_dtype})"]
         + (["decode speedup (measured, bench)"] if bench else []),
         [
             [
-                _config(r["method"], r["settings"]),
+                _config(r["method"], r["settings"], r.get("query_aware")),
                 int(r["budget"]),
                 _f(r["kv_kept_fraction"], "{:.3f}"),
                 _f(r["kv_entries"], "{:.0f}"),
@@ -256,6 +270,7 @@ def _memory_table(rows: pd.DataFrame, hw: list[str]) -> str:
             ]
             + [f"{_f(r[f'max_batch_{h}'], '{:.0f}')} ({_f(r[f'max_batch_full_{h}'], '{:.0f}')})" for h in hw]
             + [_f(r[f"tok_s_gain_{h}"], "{:.2f}x") for h in hw]
+            + [_f(r.get(f"effective_gain_{h}"), "{:.2f}x") for h in hw]
             + [_f(r.get("kv_peak_bytes_measured"), "{:,.0f}")]
             + (
                 [
@@ -275,16 +290,108 @@ def _breakdowns(cells: pd.DataFrame, min_problems: int) -> str:
     sub = cells[~cells.is_headline]
     if sub.empty:
         return "No breakdown keys."
-    cols = sorted({(r.method, r.settings, int(r.budget)) for r in sub.itertuples()})
-    grid = {(r.metric, (r.method, r.settings, int(r.budget))): r for r in sub.itertuples()}
+    cols = sorted({(r.method, r.settings, not r.query_aware, int(r.budget)) for r in sub.itertuples()})
+    grid = {(r.metric, (r.method, r.settings, not r.query_aware, int(r.budget))): r for r in sub.itertuples()}
     return _table(
-        ["key", "n"] + [f"{_config(m, s)} {b}" for m, s, b in cols],
+        ["key", "n"] + [f"{_config(m, s, not a)} {b}" for m, s, a, b in cols],
         [
             [key, int(sub[sub.metric == key].n_paired.max())]
             + [_cell(grid[(key, c)], min_problems) if (key, c) in grid else "-" for c in cols]
             for key in sorted(set(sub.metric))
         ],
     ) + _small_note(sub, min_problems)
+
+
+def _ratio(r) -> str:
+    """Median length ratio with its CI; `longer`/`shorter` when the CI excludes 1."""
+    if pd.isna(r.get("length_ratio")):
+        return "-"
+    lo, hi = r.get("length_ratio_ci_low"), r.get("length_ratio_ci_high")
+    ci = f"[{_f(lo, '{:.2f}')}, {_f(hi, '{:.2f}')}]".replace("-", "unbounded")
+    side = " longer" if lo > 1 else " shorter" if hi < 1 else ""
+    return f"x{r['length_ratio']:.2f} {ci}{side}"
+
+
+def _pair_pct(r, key: str) -> str:
+    c, f = r.get(f"{key}_compressed"), r.get(f"{key}_full")
+    return "-" if pd.isna(c) or pd.isna(f) else f"{c:.1f}% ({f:.1f}%)"
+
+
+LENGTHS_INTRO = (
+    "Per paired problem (repeats paired by index): output tokens (mean over repeats), the **median** of the "
+    "per-problem ratios compressed / full with its distribution-free {conf:.0%} CI (order statistics: the "
+    "sign-test interval of a median; `unbounded` below 6 problems; `longer` / `shorter` when it excludes "
+    "1), full / compressed tokens summed over the problems (what the effective gain multiplies by), and the "
+    "shares of outputs that hit the token limit, have no extractable answer (the task's own: AIME no box, "
+    "LiveCodeBench no code block, LongBench-v2 no choice; `-` for a task without one) and end in a "
+    "repeating tail ({words}+ words repeating with a period of at most {period} words, >= {copies} "
+    "copies), compressed (full) on the same problems. All measured.\n\n"
+)
+
+
+def _length_table(rows: pd.DataFrame, confidence: float) -> str:
+    if "n_length" not in rows or rows.n_length.isna().all():
+        return "No output lengths recorded (the samples' `generation` records lack `output_tokens`)."
+    intro = LENGTHS_INTRO.format(
+        conf=confidence, words=MIN_LOOP_WORDS, period=MAX_LOOP_PERIOD, copies=MIN_LOOP_REPEATS
+    )
+    return intro + _table(
+        ["cache", "budget", "problems", "tokens full", "tokens compressed", "length ratio [CI]"]
+        + ["full/compressed tokens", "hit limit", "no answer", "repeating tail"],
+        [
+            [
+                _config(r["method"], r["settings"], r.get("query_aware")),
+                int(r["budget"]),
+                _f(r["n_length"], "{:.0f}"),
+                _f(r["tokens_full"], "{:.1f}"),
+                _f(r["tokens_compressed"], "{:.1f}"),
+                _ratio(r),
+                _f(r["token_gain"], "{:.2f}"),
+            ]
+            + [_pair_pct(r, k) for k in ("hit_limit", "no_answer", "repeating")]
+            for _, r in rows.iterrows()
+        ],
+    )
+
+
+def _query_section(rep: Report, model: str, task: str) -> list[str]:
+    q = rep.query
+    if q.empty:
+        return []
+    rows = q[(q.model == model) & (q.task == task) & q.is_headline]
+    if rows.empty:
+        return []
+    st = rep.settings.stats
+    table = _table(
+        ["cache", "budget", "paired n", "query-aware", "query-agnostic", "diff [CI]", "p (test)", "verdict"]
+        + ["problems to decide", "length ratio agnostic/aware [CI]"],
+        [
+            [
+                _config(r.method, r.settings),
+                int(r.budget),
+                r.n_paired,
+                _f(r.full, "{:.2f}"),
+                _f(r.compressed, "{:.2f}"),
+                _cell(r, st.min_problems),
+                f"{r.p_value:.3g} ({r.test})",
+                r.verdict + (f" ({r.why})" if r.why else ""),
+                _decide(r),
+                _ratio(r._asdict()),
+            ]
+            for r in rows.itertuples()
+        ],
+    ) + _small_note(rows, st.min_problems)
+    return [
+        "### Query-agnostic vs query-aware",
+        "",
+        "The same budget and problems compressed before the question was seen (`query_aware=false`) and "
+        "after it: diff = query-agnostic - query-aware (points), the same paired statistics and verdicts "
+        "against the margin; each against the full cache is in the table above. Paired with "
+        f"`{rows.iloc[0].aware_run}`" + (" and others." if rows.aware_run.nunique() > 1 else "."),
+        "",
+        table,
+        "",
+    ]
 
 
 def _section(rep: Report, model: str, task: str, plots: dict) -> str:
@@ -302,6 +409,11 @@ def _section(rep: Report, model: str, task: str, plots: dict) -> str:
         "",
         _memory_table(head, rep.settings.hardware),
         "",
+        "### Length and failure (compressed vs full, paired)",
+        "",
+        _length_table(head, rep.settings.stats.confidence),
+        "",
+        *_query_section(rep, model, task),
         "### Breakdowns (diff [CI] verdict)",
         "",
         _breakdowns(cells, rep.settings.stats.min_problems),
@@ -356,12 +468,12 @@ def forest(head: pd.DataFrame, title: str, path: Path, confidence: float = 0.95)
     fig, ax = plt.subplots(figsize=(7, 4.2))
     budgets = sorted(set(int(b) for b in head.budget))
     pos = {b: i for i, b in enumerate(budgets)}
-    groups = list(head.groupby(["method", "settings"], sort=True))
+    groups = list(head.groupby(["method", "settings", "query_aware"], sort=True))
     margin = float(head.margin.iloc[0])
     ax.axhspan(-margin, margin, color="tab:green", alpha=0.12, label=f"±δ ({margin:g} points)")
     ax.axhline(0, color="black", lw=0.8)
     ax.axhline(-margin, color="tab:green", lw=1, ls="--")
-    for g, ((method, sett), rows) in enumerate(groups):
+    for g, ((method, sett, aware), rows) in enumerate(groups):
         shift = (g - (len(groups) - 1) / 2) * 0.12
         color = f"C{g}"
         for r in rows.itertuples():
@@ -371,7 +483,7 @@ def forest(head: pd.DataFrame, title: str, path: Path, confidence: float = 0.95)
             ax.plot(x, r.paired_diff, marker=marker, ms=9, color=color, fillstyle=fill, mec=color, zorder=3)
             if fill == "none":  # hollow: the CI line must not show through
                 ax.plot(x, r.paired_diff, marker=marker, ms=7, color="white", zorder=3)
-        ax.plot([], [], color=color, marker="o", label=_config(method, sett))
+        ax.plot([], [], color=color, marker="o", label=_config(method, sett, aware))
     _verdict_legend(ax)
     ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
     ax.set(
@@ -398,9 +510,11 @@ def pareto(head: pd.DataFrame, title: str, path: Path, kv_dtype: str = "bfloat16
             xytext=(-8, -14),
             fontsize=8,
         )
-    for g, ((method, sett), rows) in enumerate(head.groupby(["method", "settings"], sort=True)):
+    for g, ((method, sett, aware), rows) in enumerate(
+        head.groupby(["method", "settings", "query_aware"], sort=True)
+    ):
         color = f"C{g}"
-        ax.plot([], [], "o", color=color, label=_config(method, sett))
+        ax.plot([], [], "o", color=color, label=_config(method, sett, aware))
         for r in rows.itertuples():
             if pd.isna(getattr(r, "kv_bytes_seq", float("nan"))):
                 continue
@@ -438,6 +552,48 @@ def pareto(head: pd.DataFrame, title: str, path: Path, kv_dtype: str = "bfloat16
     _save(fig, path)
 
 
+def length_plot(rep: Report, rows: pd.DataFrame, title: str, path: Path) -> bool:
+    """Per configuration a panel: compressed against full output tokens per paired problem, one colour per
+    budget, the diagonal (no change) and the token limit on both axes. False (nothing drawn) without
+    lengths."""
+    runs = [(r, rep.lengths.get(r.run) or {}) for r in rows.itertuples()]
+    runs = [(r, per) for r, per in runs if len(per.get("id", []))]
+    if not runs:
+        return False
+    configs = sorted({(r.method, r.settings, not r.query_aware) for r, _ in runs})
+    fig, axes = plt.subplots(1, len(configs), figsize=(5.2 * len(configs), 4.8), squeeze=False)
+    limits = [np.nanmax(per["limit"]) for _, per in runs if not np.isnan(per["limit"]).all()]
+    limit = max(limits, default=None)
+    top = max(float(np.max(np.r_[per["c_tokens"], per["f_tokens"]])) for _, per in runs)
+    top = max(top, limit or 0) * 1.05
+    for ax, (method, sett, agnostic) in zip(axes[0], configs):
+        mine = [
+            (r, per)
+            for r, per in runs
+            if (r.method, r.settings, not r.query_aware) == (method, sett, agnostic)
+        ]
+        mine.sort(key=lambda x: x[0].budget)
+        ax.plot([0, top], [0, top], color="black", lw=0.8, label="no change")
+        if limit:
+            ax.axvline(limit, color="tab:red", ls="--", lw=1, label=f"token limit {limit:g}")
+            ax.axhline(limit, color="tab:red", ls="--", lw=1)
+        for g, (r, per) in enumerate(mine):
+            ax.scatter(
+                per["f_tokens"], per["c_tokens"], s=14, alpha=0.7, color=f"C{g}",
+                label=f"{int(r.budget)}: median x{r.length_ratio:.2f}",
+            )  # fmt: skip
+        ax.set(
+            xlim=(0, top), ylim=(0, top), xlabel="full cache: output tokens per problem",
+            ylabel="compressed: output tokens per problem", title=_config(method, sett, not agnostic),
+        )  # fmt: skip
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", title="budget", title_fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    _save(fig, path)
+    return True
+
+
 def write_plots(rep: Report, out: Path) -> dict:
     plots = {}
     head = rep.headline
@@ -452,6 +608,10 @@ def write_plots(rep: Report, out: Path) -> dict:
             rep.settings.stats.confidence,
         )
         pareto(rows, f"{task} / {model} ({n} paired problems): {metric} vs KV memory", paths["pareto"], kv)
+        lengths = out / f"lengths_{task}_{model}.png"
+        what = f"{task} / {model}: output tokens per paired problem, compressed vs full"
+        if length_plot(rep, rows, what, lengths):
+            paths["lengths"] = lengths
         plots[(model, task)] = paths
     return plots
 
