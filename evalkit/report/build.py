@@ -125,6 +125,11 @@ def memory_of(p: Pairing, hardware, settings: ReportSettings, problems: list[str
     )
 
 
+def _aware_first(col: pd.Series) -> pd.Series:
+    """Sort key: a query-aware configuration before its query-agnostic counterpart."""
+    return ~col.astype(bool) if col.name == "query_aware" else col
+
+
 def build(settings: ReportSettings) -> Report:
     if not (settings.results_dir / "runs").is_dir():
         raise ReportConfigError(
@@ -147,7 +152,7 @@ def build(settings: ReportSettings) -> Report:
             )
     cells = pd.DataFrame(rows)
     if len(cells):
-        cells = cells.sort_values(GROUP + ["budget", "metric"]).reset_index(drop=True)
+        cells = cells.sort_values(GROUP + ["budget", "metric"], key=_aware_first).reset_index(drop=True)
     report = Report(settings, runs, cells, problems, notes, lengths=report_lengths)
     report.query = query_cells(runs, settings, problems, notes)
     report.missing = missing_cells(runs, settings) + unfinished(settings.results_dir)
@@ -227,7 +232,7 @@ def recommend_tasks(head: pd.DataFrame) -> list[dict]:
             status = "non-inferior but " + "; ".join(erased) if erased else _undecided(rows)
             rec |= {"budget": None, "status": status}
         out.append(rec)
-    return out
+    return sorted(out, key=lambda r: [r[k] if k != "query_aware" else not r[k] for k in GROUP])
 
 
 def _qualifies(row) -> str:
@@ -267,7 +272,7 @@ def recommend_models(head: pd.DataFrame, runs: list[Run]) -> list[dict]:
         else:
             rec |= {"budget": None, "status": "no budget is non-inferior on every task"}
         out.append(rec)
-    return out
+    return sorted(out, key=lambda r: (r["model"], r["method"], r["settings"], not r["query_aware"]))
 
 
 # --- query-agnostic vs query-aware --------------------------------------------------------------------------

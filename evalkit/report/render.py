@@ -131,7 +131,8 @@ def _recommendation(rep: Report) -> str:
     lines = [
         "## Recommendation",
         "",
-        "Per model: the smallest budget non-inferior on every task it was evaluated on.",
+        "Per model: the smallest budget non-inferior, with an effective decode gain above 1, on every task "
+        "it was evaluated on.",
         "",
     ]
     lines.append(
@@ -566,6 +567,7 @@ def length_plot(rep: Report, rows: pd.DataFrame, title: str, path: Path) -> bool
     limit = max(limits, default=None)
     top = max(float(np.max(np.r_[per["c_tokens"], per["f_tokens"]])) for _, per in runs)
     top = max(top, limit or 0) * 1.05
+    budgets = sorted({r.budget for r, _ in runs})  # one colour per budget in every panel
     for ax, (method, sett, agnostic) in zip(axes[0], configs):
         mine = [
             (r, per)
@@ -577,9 +579,9 @@ def length_plot(rep: Report, rows: pd.DataFrame, title: str, path: Path) -> bool
         if limit:
             ax.axvline(limit, color="tab:red", ls="--", lw=1, label=f"token limit {limit:g}")
             ax.axhline(limit, color="tab:red", ls="--", lw=1)
-        for g, (r, per) in enumerate(mine):
+        for r, per in mine:
             ax.scatter(
-                per["f_tokens"], per["c_tokens"], s=14, alpha=0.7, color=f"C{g}",
+                per["f_tokens"], per["c_tokens"], s=14, alpha=0.7, color=f"C{budgets.index(r.budget)}",
                 label=f"{int(r.budget)}: median x{r.length_ratio:.2f}",
             )  # fmt: skip
         ax.set(
