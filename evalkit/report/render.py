@@ -112,6 +112,10 @@ def _header(rep: Report) -> str:
             "all equal: exact bound",
             "- p-value: exact McNemar (one binary outcome per problem), otherwise a two-sided sign-flip "
             "permutation test",
+            "- output length: the median per-problem ratio of output tokens compressed / full with the "
+            f"distribution-free {st.confidence:.0%} CI of a median (order statistics, the sign-test "
+            "interval); effective decode gain = the memory-bound tok/s gain x full / compressed tokens; a "
+            "budget is recommended only when it is non-inferior and its effective gain is above 1",
             "- problems to decide: normal-approximation sample size for a paired non-inferiority test "
             f"(Chow, Shao & Wang 2008, 3.1) at one-sided alpha {(1 - st.confidence) / 2:g}, power "
             f"{st.power:g}, the observed mean and SD",
