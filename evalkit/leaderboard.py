@@ -1,12 +1,15 @@
 """Leaderboard: every `metrics.json` under `<results_dir>/runs` into two CSVs and one plot per model and task.
 
 Reads only fields stored inside each metrics.json and samples.jsonl (never meaning parsed from paths); runs
-no model. Every distinct configuration (method settings, task version, scorer version, data, generation
-identity) is its own labelled row or column: nothing is ever averaged across configurations.
+no model. Every distinct configuration (method settings, query_aware, task version, scorer version, data,
+generation identity) is its own labelled row or column: nothing is ever averaged across configurations.
     results/leaderboard.csv       long: one row per (run, metric, subset), each run's headline row first and
-                                  flagged (`headline`), with the run's KV bytes, wall time and output tokens,
-                                  and the paired columns of the report (difference to the full run on the
-                                  same samples, CI, p, verdict)
+                                  flagged (`headline`); beside the score the report's length columns (token
+                                  ratio to the full run and its CI, full/compressed tokens, memory-bound and
+                                  effective decode gains) and the run's failure shares (hit limit, no answer,
+                                  repeating tail); the run's KV bytes, wall time and output tokens, and the
+                                  paired columns of the report (difference to the full run on the same
+                                  samples, CI, p, verdict)
     results/leaderboard_wide.csv  headline score and n per configuration row and budget column, and per budget
                                   the paired difference to `full`, its CI, p-value and verdict
     results/plots/<task>_<model>.png   headline score vs budget, one panel per problem set, one line per

@@ -5,6 +5,8 @@ run that generated from the same prompts, and writes `<results_dir>/report/{repo
     runs.py     reading run folders (bad files named and skipped), identities, samples
     pairing.py  which full run a compressed run is compared with, and the sample-by-sample pairing
     stats.py    paired bootstrap CI, McNemar / sign-flip p-values, verdicts, sample sizes
+    lengths.py  output length and failure per paired problem: token ratio and its CI, hit limit, no answer,
+                repeating tail
     budget.py   the memory model joined at the task's context length (KV bytes, max batch, tok/s)
     build.py    the cells, recommendations and missing cells; render.py: Markdown, CSV, plots
 No model is loaded: hundreds of runs take seconds.

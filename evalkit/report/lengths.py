@@ -67,7 +67,10 @@ def repeating_tail(text: str) -> bool:
     with some period p (word i equals word i - p throughout them) where 1 <= p <= MAX_LOOP_PERIOD,
     L >= MIN_LOOP_WORDS and L >= MIN_LOOP_REPEATS * p: a p-word n-gram repeated back to back at the end.
     The last word is also tried dropped: an output cut at the token limit may end mid-word."""
-    words = text.split()
+    # the longest tail that can decide is MIN_LOOP_REPEATS * MAX_LOOP_PERIOD words (+1 for the dropped word):
+    # split only that much off a 32k-token output
+    tail = MIN_LOOP_REPEATS * MAX_LOOP_PERIOD + 1
+    words = text.rsplit(None, tail)[-tail:]
     return _periodic_tail(words) or _periodic_tail(words[:-1])
 
 

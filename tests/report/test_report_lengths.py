@@ -121,6 +121,8 @@ W = [f"w{i}" for i in range(200)]  # distinct words: no period but the one built
         (" ".join((W[:30] * 3)[1:]), False),  # 89 words: 2.97 copies of 30
         (" ".join(W[:40] * 2), False),  # two copies of 40 words (80 >= 64 but < 3 copies)
         (" ".join(W[:128] * 3), True),  # period 128 = MAX_LOOP_PERIOD
+        (" ".join(W * 50 + W[:128] * 3), True),  # the same after 10,000 words
+        (" ".join(W[:128] * 3 + ["end"]), True),  # ... and cut mid-word at the limit
         (" ".join(W[:129] * 3), False),  # period 129 > MAX_LOOP_PERIOD
         (" ".join(W[:50]) + " " + " ".join(["1 + 1 = 2"] * 16) + " 1 + 1", True),  # period 5, mid-period
         ((" ".join(["so the answer is 5."] * 20))[:-3], True),  # cut at the token limit mid-word
