@@ -566,7 +566,7 @@ def length_plot(rep: Report, rows: pd.DataFrame, title: str, path: Path) -> bool
     if not runs:
         return False
     configs = sorted({(r.method, r.settings, not r.query_aware) for r, _ in runs})
-    fig, axes = plt.subplots(1, len(configs), figsize=(5.2 * len(configs), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(configs), figsize=(max(6.0, 5.2 * len(configs)), 5.0), squeeze=False)
     limits = [np.nanmax(per["limit"]) for _, per in runs if not np.isnan(per["limit"]).all()]
     limit = max(limits, default=None)
     top = max(float(np.max(np.r_[per["c_tokens"], per["f_tokens"]])) for _, per in runs)
@@ -615,7 +615,7 @@ def write_plots(rep: Report, out: Path) -> dict:
         )
         pareto(rows, f"{task} / {model} ({n} paired problems): {metric} vs KV memory", paths["pareto"], kv)
         lengths = out / f"lengths_{task}_{model}.png"
-        what = f"{task} / {model}: output tokens per paired problem, compressed vs full"
+        what = f"{task} / {model}\noutput tokens per paired problem, compressed vs full"
         if length_plot(rep, rows, what, lengths):
             paths["lengths"] = lengths
         plots[(model, task)] = paths
