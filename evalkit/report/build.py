@@ -186,9 +186,10 @@ def gain_check(row) -> tuple[bool | None, str]:
         return True, ""
     eff = ", ".join(f"{v:.2f}x on {h}" for h, v in gains.items())
     tok = ", ".join(f"{row[f'tok_s_gain_{h}']:.2f}x" for h in hw)
+    what = "length inflation erases the gain" if row.token_gain < 1 else "the budget buys no decode gain"
     return False, (
-        f"{int(row.budget)}: length inflation erases the gain (effective gain {eff}: memory-bound gain {tok} "
-        f"x full/compressed tokens {row.token_gain:.2f})"
+        f"{int(row.budget)}: {what} (effective gain {eff}: memory-bound gain {tok} x full/compressed "
+        f"tokens {row.token_gain:.2f})"
     )
 
 
@@ -229,7 +230,7 @@ def recommend_tasks(head: pd.DataFrame) -> list[dict]:
             }
             break
         else:
-            status = "non-inferior but " + "; ".join(erased) if erased else _undecided(rows)
+            status = ("non-inferior but " + "; ".join(erased)) if erased else _undecided(rows)
             rec |= {"budget": None, "status": status}
         out.append(rec)
     return sorted(out, key=lambda r: [r[k] if k != "query_aware" else not r[k] for k in GROUP])

@@ -209,6 +209,16 @@ def test_no_budget_is_named_when_length_inflation_erases_every_gain(tmp_path):
     assert "x full/compressed tokens 0.05)" in rec["status"]
 
 
+def test_a_budget_without_a_memory_gain_is_not_recommended_and_the_status_says_why(tmp_path):
+    """snapkv at 4096 keeps the whole 2100-token request: no memory gain, and no length change to blame."""
+    full = [sample_row(f"s{i}", [{"score": 100.0}], tokens=[100], limit=4096) for i in range(200)]
+    write_run(tmp_path, full, method="full", budget=None)
+    write_run(tmp_path, full, method="snapkv", budget=4096)
+    (rec,) = build(settings(results_dir=str(tmp_path))).by_task
+    assert rec["budget"] is None
+    assert rec["status"].startswith("non-inferior but 4096: the budget buys no decode gain (effective gain")
+
+
 def test_without_recorded_lengths_the_budget_is_named_and_the_gain_said_unknown(tmp_path):
     """Runs from before per-request generation records: the recommendation stands on accuracy and memory as
     before, and says the effective gain was not computed."""
