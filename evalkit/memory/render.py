@@ -152,13 +152,18 @@ def _layout(layout: GpuLayout, per_gpu: list[dict]) -> str:
         if kv.layout == "per_head"
         else "the whole MLA latent (attention is not sharded: replicated on every rank)"
     )
+    split = (
+        f"of the whole model's {_gib(layout.sharded_bytes + layout.replicated_bytes)} GiB, "
+        f"{_gib(layout.sharded_bytes)} GiB are split {layout.tp}-way by the tensor-parallel plan and "
+        f"{_gib(layout.replicated_bytes)} GiB are on every GPU"
+        if layout.tp > 1
+        else "no tensor parallelism: the whole model on every GPU"
+    )
     setup = (
         f"{layout.world} processes (tp_size {layout.tp} x dp_size {layout.dp}), {layout.nodes} node(s) of "
         f"{layout.gpus_per_node} GPUs. Weights per GPU: {_gib(layout.weight_bytes_gpu)} GiB "
-        f"({layout.parameters / 1e9:.3f} B parameters as transformers builds the model; of the whole model's "
-        f"{_gib(layout.sharded_bytes + layout.replicated_bytes)} GiB, {_gib(layout.sharded_bytes)} GiB are "
-        f"split {layout.tp}-way by the tensor-parallel plan and {_gib(layout.replicated_bytes)} GiB are on "
-        f"every GPU). KV per GPU: {heads}."
+        f"({layout.parameters / 1e9:.3f} B parameters as transformers builds the model; {split}). "
+        f"KV per GPU: {heads}."
     )
     headers = ["context", "cache", "entries", "weights GiB", "KV GiB (1 request)", "HBM free GiB", "fits"]
     headers.append("requests/GPU")
