@@ -145,6 +145,7 @@ def test_a_two_node_slurm_job_starts_one_task_per_gpu_and_exports_the_rendezvous
     script = executor._executor._make_submission_file_text("true", "uid")
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8"):
         assert line in script
+    assert "export SLURM_KILL_BAD_EXIT=1" in script  # a failed rank ends every task, not only itself
     setup = script.split("# setup\n")[1].split("\n\n")[0]
     env = {
         "PATH": __import__("os").environ["PATH"],
