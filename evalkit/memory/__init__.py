@@ -2,10 +2,12 @@
 
 The paper's case (SnapStream, arXiv 2511.03092, Table 5) is DeepSeek-R1 on 16 SambaNova SN40L sockets;
 any Hugging Face config, hardware (`conf/hardware/*.yaml`), context length and budget work. Modules:
-`model` (KV geometry and weights from a config), `sim` (placement, max batch, step time), `report`
+`model` (KV geometry and weights from a config), `layout` (per-GPU bytes of a torchrun layout, as
+transformers' tensor-parallel plan shards the model), `sim` (placement, max batch, step time), `report`
 (sweep, Table 5 check, measured runs), `render` (Markdown and plots); `python -m evalkit.memory` runs it.
 """
 
+from evalkit.memory.layout import GpuLayout, gpu_layout
 from evalkit.memory.model import (
     KVGeometry,
     MemoryReportError,
@@ -19,11 +21,13 @@ from evalkit.memory.sim import Deployment, Hardware, kv_entries
 
 __all__ = [
     "Deployment",
+    "GpuLayout",
     "Hardware",
     "KVGeometry",
     "MemoryReportError",
     "ModelSpec",
     "count_parameters",
+    "gpu_layout",
     "kv_entries",
     "kv_geometry",
     "measured_rows",

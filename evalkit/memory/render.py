@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, never a display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from evalkit.memory.layout import GpuLayout  # noqa: E402
 from evalkit.memory.sim import GB, TB, Deployment, GiB, MiB  # noqa: E402
 from evalkit.results import save_figure  # noqa: E402
 
@@ -143,6 +144,54 @@ def _placement(rows: list[dict]) -> str:
     return _table(headers, lines)
 
 
+def _layout(layout: GpuLayout, per_gpu: list[dict]) -> str:
+    """The torchrun layout: what every GPU holds, then one request per sweep row."""
+    kv = layout.kv
+    heads = (
+        f"{layout.kv_heads_gpu} of {kv.cached_heads} KV heads per layer"
+        if kv.layout == "per_head"
+        else "the whole MLA latent (attention is not sharded: replicated on every rank)"
+    )
+    split = (
+        f"of the whole model's {_gib(layout.sharded_bytes + layout.replicated_bytes)} GiB, "
+        f"{_gib(layout.sharded_bytes)} GiB are split {layout.tp}-way by the tensor-parallel plan and "
+        f"{_gib(layout.replicated_bytes)} GiB are on every GPU"
+        if layout.tp > 1
+        else "no tensor parallelism: the whole model on every GPU"
+    )
+    setup = (
+        f"{layout.world} processes (tp_size {layout.tp} x dp_size {layout.dp}), {layout.nodes} node(s) of "
+        f"{layout.gpus_per_node} GPUs. Weights per GPU: {_gib(layout.weight_bytes_gpu)} GiB "
+        f"({layout.parameters / 1e9:.3f} B parameters as transformers builds the model; {split}). "
+        f"KV per GPU: {heads}."
+    )
+    headers = ["context", "cache", "entries", "weights GiB", "KV GiB (1 request)", "HBM free GiB", "fits"]
+    headers.append("requests/GPU")
+    lines = [
+        [
+            r["context"],
+            _label(r),
+            r["kv_entries"],
+            _gib(r["weight_bytes_gpu"]),
+            _gib(r["kv_bytes_gpu"]),
+            _gib(r["hbm_free_bytes"]),
+            "yes" if r["fits"] else "NO",
+            r["max_requests_gpu"],
+        ]
+        for r in per_gpu
+    ]
+    return setup + "\n\n" + _table(headers, lines) + "\n\n" + LAYOUT_NOTE
+
+
+LAYOUT_NOTE = """\
+Per GPU = the largest rank (torch gives rank 0 ceil(n / tp) of a split dimension). KV GiB is what one GPU
+holds for one request whose cache holds `entries` slots per layer and head (full: context + decode; snapstream
+and streamingllm: the budget; snapkv: budget + decode), the same bytes a run records per rank. Weights: the
+decoder layers' matrices in model.weight_dtype, embeddings, lm_head, norms and routers in model.other_dtype;
+fp8 block scales, buffers, activations, the CUDA context and allocator slack are not counted: keep a few GiB
+free. requests/GPU = HBM left after the weights / KV of one request."""
+
+
 def _paper(paper: list[dict]) -> str:
     headers = [
         "context -> cache",
@@ -267,6 +316,12 @@ def render_markdown(dep: Deployment, cfg: dict, tables: dict, paths: dict[str, P
     ]  # fmt: skip
     if tables["skipped"]:
         parts.append("Skipped (budget above the context): " + "; ".join(tables["skipped"]) + ".")
+    if tables.get("layout"):
+        layout = tables["layout"]
+        parts += [
+            f"## GPU layout: TP{layout.tp} x DP{layout.dp} under transformers' tensor-parallel plan",
+            _layout(layout, tables["per_gpu"]),
+        ]
     if paper:
         parts += [
             "## Paper check: SnapStream Table 5 (DeepSeek-R1-0528, 16 x SN40L, tok/s incl. x2.4 MTP)",

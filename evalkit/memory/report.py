@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from evalkit import metrics as metrics_record
+from evalkit.memory.layout import GpuLayout, gpu_layout
 from evalkit.memory.model import MemoryReportError, kv_geometry, load_hf_config, model_spec
 from evalkit.memory.sim import Deployment, GiB, Hardware, canonical_method, kv_entries
 from evalkit.memory.validate import validate
@@ -27,20 +28,68 @@ PAPER_MTP = 2.4  # the paper's multi-token-prediction factor, included in its to
 FIXED_SIZE = ("snapstream", "streamingllm")  # caches whose size is the budget, whatever the length
 
 
-def deployment(cfg: dict) -> Deployment:
-    """The Deployment described by a resolved `conf/memory.yaml` (as plain dicts)."""
-    m = cfg["model"]
+def hf_config_of(m: dict) -> dict:
     hf_config = load_hf_config(m["hf"]) if m.get("hf") else m.get("hf_config")
     if not hf_config:
         raise MemoryReportError(
             "model: set model.hf (a Hub id or local folder) or model.hf_config (its fields)"
         )
+    return hf_config
+
+
+def deployment(cfg: dict) -> Deployment:
+    """The Deployment described by a resolved `conf/memory.yaml` (as plain dicts)."""
+    m = cfg["model"]
+    hf_config = hf_config_of(m)
     spec = model_spec(
         m["name"], hf_config, m["weight_dtype"], m["kv_dtype"], m.get("kv_layout"), m.get("num_parameters")
     )
     hw = Hardware.from_cfg(cfg["hardware"])
     par = cfg["parallel"]
     return Deployment(spec, hw, par["tp"], par["attention"], float(cfg["mtp_factor"]))
+
+
+def layout_of(dep: Deployment, cfg: dict) -> GpuLayout | None:
+    """The torchrun layout `parallel.tp_size` x `parallel.dp_size`, or None for one process (tp = dp = 1:
+    the report is then exactly the single-device one)."""
+    tp, dp = cfg["parallel"].get("tp_size", 1), cfg["parallel"].get("dp_size", 1)
+    if tp == dp == 1:
+        return None
+    m = cfg["model"]
+    other = m.get("other_dtype") or m["weight_dtype"]
+    return gpu_layout(hf_config_of(m), dep.model.kv, tp, dp, dep.hw.sockets, m["weight_dtype"], other)
+
+
+def layout_rows(layout: GpuLayout, dep: Deployment, rows: list[dict]) -> list[dict[str, Any]]:
+    """Per GPU, for one request of each sweep row: weights, KV at the row's cache size, HBM left, whether it
+    fits, and how many such requests one GPU could hold at once."""
+    out = []
+    for r in rows:
+        kv = layout.kv_bytes_gpu(r["kv_entries"])
+        room = dep.hw.hbm_bytes - layout.weight_bytes_gpu
+        out.append(
+            {
+                "model": r["model"],
+                "hardware": r["hardware"],
+                "tp_size": layout.tp,
+                "dp_size": layout.dp,
+                "world_size": layout.world,
+                "nodes": layout.nodes,
+                "context": r["context"],
+                "decode": r["decode"],
+                "method": r["method"],
+                "budget": r["budget"],
+                "kv_entries": r["kv_entries"],
+                "kv_heads_gpu": layout.kv_heads_gpu,
+                "weight_bytes_gpu": layout.weight_bytes_gpu,
+                "kv_bytes_gpu": kv,
+                "hbm_bytes_gpu": dep.hw.hbm_bytes,
+                "hbm_free_bytes": room - kv,
+                "fits": room - kv >= 0,
+                "max_requests_gpu": max(room, 0) // kv,
+            }
+        )
+    return out
 
 
 def kv_reserve_bytes(cfg: dict) -> int | None:
@@ -196,19 +245,21 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
     return rows, notes
 
 
-def check(cfg: dict) -> tuple[Deployment, list[dict], list[str]]:
+def check(cfg: dict) -> tuple[Deployment, list[dict], list[str], GpuLayout | None]:
     """Everything that can fail on bad input, before anything is written: the settings, the model and
-    mapping, the sweep. Returns (deployment, sweep rows, skipped cells)."""
+    mapping, the sweep, the GPU layout. Returns (deployment, sweep rows, skipped cells, layout)."""
     validate(cfg)
     dep = deployment(cfg)
-    return dep, *sweep_rows(dep, cfg)
+    rows, skipped = sweep_rows(dep, cfg)
+    return dep, rows, skipped, layout_of(dep, cfg)
 
 
 def write_report(cfg: dict) -> dict[str, Path]:
     """Compute everything and write report.csv, report.md and the plots under `<results_dir>/memory/`."""
     from evalkit.memory.render import render_markdown, write_plots  # matplotlib only when writing
 
-    dep, rows, skipped = check(cfg)
+    dep, rows, skipped, layout = check(cfg)
+    per_gpu = layout_rows(layout, dep, rows) if layout else []
     paper = paper_check(dep, cfg) if cfg["paper_check"] else []
     measured, notes = measured_rows(cfg["results_dir"])
     out = Path(cfg["results_dir"]) / "memory"
@@ -216,8 +267,12 @@ def write_report(cfg: dict) -> dict[str, Path]:
     paths = {"csv": out / "report.csv", "md": out / "report.md"}
     frame = pd.DataFrame(rows).astype({"budget": "Int64"})  # full has no budget: keep the column integral
     frame.to_csv(paths["csv"], index=False)
+    if layout:
+        paths["layout"] = out / "layout.csv"
+        pd.DataFrame(per_gpu).astype({"budget": "Int64"}).to_csv(paths["layout"], index=False)
     paths |= write_plots(rows, out, f"{dep.model.name} on {dep.hw.sockets} x {dep.hw.name}")
     tables = {"rows": rows, "skipped": skipped, "paper": paper, "measured": measured, "notes": notes}
+    tables |= {"layout": layout, "per_gpu": per_gpu}
     paths["md"].write_text(render_markdown(dep, cfg, tables, paths))
     for r in paper:
         log.info(
@@ -229,6 +284,18 @@ def write_report(cfg: dict) -> dict[str, Path]:
             r["batch_snap"],
             r["gain_cal"],
             r["paper_gain"],
+        )
+    for r in per_gpu:
+        log.info(
+            "TP%d x DP%d, %s @%d: %.2f GiB weights + %.2f GiB KV per GPU of %.2f GiB: %s",
+            r["tp_size"],
+            r["dp_size"],
+            r["method"] if r["budget"] is None else f"{r['method']} B={r['budget']}",
+            r["context"],
+            r["weight_bytes_gpu"] / GiB,
+            r["kv_bytes_gpu"] / GiB,
+            r["hbm_bytes_gpu"] / GiB,
+            "fits" if r["fits"] else "DOES NOT FIT",
         )
     if any(not r["match"] for r in measured):
         log.warning("predicted and measured KV bytes disagree for some runs: see %s", paths["md"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from evalkit.memory.model import MemoryReportError
+from evalkit.memory.model import MemoryReportError, dtype_bits
 from evalkit.memory.sim import ATTENTION_MAPPINGS, canonical_method
 
 
@@ -57,6 +57,8 @@ def validate_model(m: dict) -> None:
     )
     n = m.get("num_parameters")
     require(n is None or _is_number(n) and n > 0, "model.num_parameters", "null (count) or a number > 0", n)
+    if m.get("other_dtype") is not None:
+        dtype_bits(m["other_dtype"], "model.other_dtype")
     layout = m.get("kv_layout")
     require(layout in (None, "latent", "per_head"), "model.kv_layout", "null, 'latent' or 'per_head'", layout)
 
@@ -80,6 +82,10 @@ def validate(cfg: dict) -> None:
         f"one of {', '.join(ATTENTION_MAPPINGS)}",
         attention,
     )
+    # No world size here to derive a null tp_size from (as the runtime does): the report needs the number.
+    for key, what in (("tp_size", "GPUs per model copy"), ("dp_size", "model copies")):
+        v = cfg["parallel"].get(key, 1)
+        require(_is_int(v) and v > 0, f"parallel.{key}", f"a positive integer ({what})", v)
     int_list("context_lens", cfg.get("context_lens"))
     decode = cfg.get("decode_len")
     require(
