@@ -31,7 +31,7 @@ def prompts() -> list[list[int]]:
 DTYPE = {"llama": "float64", "deepseek_v3": "float32"}
 
 
-def observe(arch: str) -> dict:
+def observe(arch: str, methods: dict = METHODS) -> dict:
     """{method: {"kept": [[layer][head] positions] per prompt, "tokens": {sampling: [tokens per prompt]},
     "margin": smallest greedy top-2 logit margin}}."""
     from transformers import GenerationConfig
@@ -45,7 +45,7 @@ def observe(arch: str) -> dict:
     spec = ModelSpec(name=f"tiny_{arch}", random=TINY[arch], tokenizer="smollm2_135m", dtype=DTYPE[arch])
     model, tokenizer = load_model(spec)
     out = {}
-    for name, settings in METHODS.items():
+    for name, settings in methods.items():
         method = make_method(name, **settings)
         kept = []
         for ids in prompts():
@@ -69,7 +69,21 @@ def observe(arch: str) -> dict:
     return out
 
 
-def tp_main(rank: int, world: int, port: int, arch: str, folder: str) -> None:
+def perturbed(arch: str, rank: int) -> dict:
+    """SnapKV's kept positions and tokens with this rank's scores perturbed (rank 0's left as they are)."""
+    import evalkit.kv.cache as cache
+
+    mean = cache.group_mean
+    if rank:
+        cache.group_mean = lambda scores, h: mean(scores, h) + torch.rand_like(mean(scores, h))
+    try:
+        got = observe(arch, {"snapkv": METHODS["snapkv"]})["snapkv"]
+    finally:
+        cache.group_mean = mean
+    return {"kept": got["kept"], "tokens": got["tokens"]}
+
+
+def tp_main(rank: int, world: int, port: int, archs: tuple, folder: str) -> None:
     """One rank of a TP=world run: joins the group through evalkit.parallel, writes what it observed."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -78,7 +92,8 @@ def tp_main(rank: int, world: int, port: int, arch: str, folder: str) -> None:
 
     parallel.init(parallel.layout({"parallel": {"tp_size": world, "dp_size": 1}}))
     try:
-        result = observe(arch)
+        result = {arch: observe(arch) for arch in archs}
+        result["deepseek_v3"]["perturbed"] = perturbed("deepseek_v3", rank)
     finally:
         parallel.teardown()
     with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
