@@ -93,8 +93,8 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
             batch_size=int(batch_size),
             max_length=max_length or context_length(spec, hf_model.config),
         )
-        # a TP group runs every request on every rank, and DP replicas split them themselves (`parallel.owns`):
-        # lm-eval must never split requests across evalkit's processes
+        # a TP group runs every request on every rank, and DP replicas split them themselves
+        # (`parallel.owns`): lm-eval must never split requests across evalkit's processes
         self._rank, self._world_size = 0, 1
 
     # --- generation requests: lm-eval's requests in, evalkit.engine's continuous batching underneath --------

@@ -69,7 +69,7 @@ REPLICATED_ATTENTION = False  # set when a TP model loads (`note_model`): its ke
 _TP_GROUP = None  # the process group of this rank's TP group (None: the whole world, or no group)
 
 
-# --- the environment -----------------------------------------------------------------------------------------
+# --- the environment ----------------------------------------------------------------------------------------
 def world_from_env(env=os.environ) -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's variables, else SLURM's (`srun` starting one task per
     GPU; MASTER_ADDR becomes the first host of SLURM_NODELIST), else one process."""
@@ -130,7 +130,7 @@ def layout(cfg, env=os.environ) -> Layout:
     return Layout(tp=tp, dp=dp, rank=rank, local_rank=local_rank, backend=backend if world > 1 else None)
 
 
-# --- the process group ---------------------------------------------------------------------------------------
+# --- the process group --------------------------------------------------------------------------------------
 def init(lay: Layout) -> Layout:
     """Join the process group of a multi-process layout (nothing for one process); remember the layout."""
     global LAYOUT, _TP_GROUP
@@ -211,7 +211,7 @@ def owns(index: int) -> bool:
     return index % LAYOUT.dp == LAYOUT.dp_rank
 
 
-# --- models --------------------------------------------------------------------------------------------------
+# --- models -------------------------------------------------------------------------------------------------
 def distributed_config():
     """transformers' DistributedConfig for this layout's tensor parallelism (None: no TP)."""
     if LAYOUT.tp == 1:
@@ -241,7 +241,7 @@ def device(lay: Layout | None = None) -> str | None:
     return f"cuda:{lay.local_rank}" if lay.backend == "nccl" else None
 
 
-# --- journal shards ------------------------------------------------------------------------------------------
+# --- journal shards -----------------------------------------------------------------------------------------
 SHARD = re.compile(r"generations\.dp(\d+)\.jsonl")
 
 
@@ -254,7 +254,11 @@ def shard_path(out: Path, replica: int | None = None) -> Path:
 def sibling_shards(out: Path, own: Path) -> list[Path]:
     """Every journal file of the run folder but `own`, in a fixed order."""
     files = [out / "generations.jsonl", *sorted(out.glob("generations.dp*.jsonl"))]
-    return [f for f in files if f != own and f.is_file() and (f.name == "generations.jsonl" or SHARD.fullmatch(f.name))]
+    return [
+        f
+        for f in files
+        if f != own and f.is_file() and (f.name == "generations.jsonl" or SHARD.fullmatch(f.name))
+    ]
 
 
 def read_records(path: Path) -> tuple[dict[str, dict], bool]:
@@ -365,7 +369,12 @@ def note_kv(pool) -> None:
     """Remember the bytes of this rank's K/V slot pool (its local heads under TP)."""
     global KV_PEAK
     if pool is not None:
-        held = sum(x.numel() * x.element_size() for lay in pool.layers for x in (lay.keys, lay.values) if x is not None)
+        held = sum(
+            x.numel() * x.element_size()
+            for lay in pool.layers
+            for x in (lay.keys, lay.values)
+            if x is not None
+        )
         KV_PEAK = max(KV_PEAK, held)
 
 

@@ -23,7 +23,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def torchrun(results: Path, *overrides: str, script=("-m", "evalkit"), fail=None) -> subprocess.CompletedProcess:
+def torchrun(
+    results: Path, *overrides: str, script=("-m", "evalkit"), fail=None
+) -> subprocess.CompletedProcess:
     env = {**ENV, **({"EVALKIT_TEST_FAIL": fail} if fail else {})}
     cmd = [*TORCHRUN, *script, *RUN, *overrides, f"results_dir={results}"]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -52,7 +54,18 @@ def journal_keys(folder: Path) -> list[str]:
 
 def test_make_eval_nproc2_tensor_parallel_writes_the_journal_once(tmp_path):
     args = f"parallel.tp_size=2 {' '.join(RUN[1:])} results_dir={tmp_path}"
-    cmd = ["make", "-s", "-o", ".venv/.stamp", "eval", "MODEL=tiny_llama", "METHOD=snapstream", "BUDGET=64", "NPROC=2", f"ARGS={args}"]
+    cmd = [
+        "make",
+        "-s",
+        "-o",
+        ".venv/.stamp",
+        "eval",
+        "MODEL=tiny_llama",
+        "METHOD=snapstream",
+        "BUDGET=64",
+        "NPROC=2",
+        f"ARGS={args}",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     folder = planned_folder(tmp_path, *RUN, "method.budget=64")
@@ -96,7 +109,9 @@ def test_a_killed_dp_rank_ends_the_run_and_the_rerun_resumes(tmp_path):
     resumes (rank 1's shard is kept) to the one-process result, each request journaled once."""
     script = ("tests/parallel/failing.py",)
     start = time.monotonic()
-    killed = torchrun(tmp_path / "dp", "parallel.dp_size=2", "method.budget=64", script=script, fail="kill:1:1")
+    killed = torchrun(
+        tmp_path / "dp", "parallel.dp_size=2", "method.budget=64", script=script, fail="kill:1:1"
+    )
     assert killed.returncode != 0 and time.monotonic() - start < 120
     assert "Signal 9 (SIGKILL)" in killed.stderr and "rank      : 1" in killed.stderr
     folder = planned_folder(tmp_path / "dp", *RUN, "method.budget=64")

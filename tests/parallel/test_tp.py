@@ -35,7 +35,9 @@ def test_tp2_keeps_and_generates_what_one_process_does(arch, tp2):
     one, (r0, r1) = observe(arch), tp2[arch]
     for name in METHODS:
         for sampling in ("greedy", "sampled"):
-            assert r0[name]["tokens"][sampling] == r1[name]["tokens"][sampling] == one[name]["tokens"][sampling]
+            assert (
+                r0[name]["tokens"][sampling] == r1[name]["tokens"][sampling] == one[name]["tokens"][sampling]
+            )
         for prompt, (a, b, c) in enumerate(zip(one[name]["kept"], r0[name]["kept"], r1[name]["kept"])):
             for layer, (heads, heads0, heads1) in enumerate(zip(a, b, c)):
                 if arch == "llama":  # q/k/v sharded by head: rank r holds KV head r of the two
