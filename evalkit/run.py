@@ -329,6 +329,7 @@ def run(cfg: DictConfig) -> list[dict]:
         check_folder(p.out, p.cfg)
         check_writable(p.out)
     spec = plans[0].spec
+    parallel.check_model(spec)
     context = context_length(spec, model_config(spec, resolve_source(spec)))
     check_budget(plans, context)
     loaded, load_kwargs = load_data(plans[0], tokenizer_path(spec), context)  # before any model loads
