@@ -391,9 +391,10 @@ def note_kv(pool) -> None:
 
 
 def gather_kv() -> None:
-    """Every rank's KV_PEAK into KV_BYTES (a collective: every rank calls it once generation is over)."""
-    global KV_BYTES
-    KV_BYTES = gather_int(KV_PEAK)
+    """Every rank's KV_PEAK into KV_BYTES (a collective: every rank calls it once generation is over); the
+    next run of a sweep in this process starts from zero."""
+    global KV_BYTES, KV_PEAK
+    KV_BYTES, KV_PEAK = gather_int(KV_PEAK), 0
 
 
 def gather_int(value: int) -> list[int]:
