@@ -68,7 +68,11 @@ def _from_pretrained(spec: ModelSpec, source: str, distributed_config=None):
             attn_implementation="sdpa",
         )
     return AutoModelForCausalLM.from_pretrained(
-        source, revision=spec.revision, dtype=dtype, device_map=spec.device_map, attn_implementation="sdpa"
+        source,
+        revision=spec.revision,
+        dtype=dtype,
+        device_map=parallel.device_map(spec.device_map),
+        attn_implementation="sdpa",
     )
 
 
@@ -89,4 +93,5 @@ def random_model(spec: ModelSpec):
     model = AutoModelForCausalLM.from_config(
         config, dtype=getattr(torch, spec.dtype), attn_implementation="sdpa"
     )
-    return model.to(spec.device_map) if spec.device_map not in (None, "auto") else model
+    device_map = parallel.device_map(spec.device_map)
+    return model.to(device_map) if device_map not in (None, "auto") else model

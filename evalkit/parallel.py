@@ -248,9 +248,17 @@ def note_model(model) -> None:
 
 
 def device(lay: Layout | None = None) -> str | None:
-    """The device this rank's model goes to under TP (transformers binds it; None on CPU)."""
+    """This rank's GPU (`cuda:<local rank>`) under nccl, None on CPU."""
     lay = lay or LAYOUT
     return f"cuda:{lay.local_rank}" if lay.backend == "nccl" else None
+
+
+def device_map(requested: str | None) -> str | None:
+    """Where a DP replica's model goes: its own GPU whole (a conf's `device_map: auto` would spread every
+    replica over every GPU of the node); one process or TP (transformers places the shards): `requested`."""
+    if LAYOUT.dp > 1 and LAYOUT.backend == "nccl":
+        return device()
+    return requested
 
 
 # --- journal shards -----------------------------------------------------------------------------------------

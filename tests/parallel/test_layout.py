@@ -125,3 +125,17 @@ def test_a_served_model_is_refused_under_several_processes(monkeypatch):
         "model served is served at http://127.0.0.1:8000/v1: its server does the parallel work; run it with "
         "NPROC=1 (this run started 2 processes)"
     )
+
+
+@pytest.mark.parametrize(
+    "lay, requested, want",
+    [
+        (parallel.Layout(), "auto", "auto"),  # one process: the conf's own placement
+        (parallel.Layout(dp=8, rank=5, local_rank=5, backend="nccl"), "auto", "cuda:5"),  # its own GPU
+        (parallel.Layout(dp=2, rank=1, backend="gloo"), None, None),  # CPU replicas
+        (parallel.Layout(tp=8, rank=3, local_rank=3, backend="nccl"), None, None),  # TP: transformers places
+    ],
+)
+def test_each_gpu_replica_loads_onto_its_own_gpu(lay, requested, want, monkeypatch):
+    monkeypatch.setattr(parallel, "LAYOUT", lay)
+    assert parallel.device_map(requested) == want
