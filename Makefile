@@ -9,6 +9,10 @@ METHOD ?=
 BUDGET ?=
 SWEEP  ?= ruler_budgets
 ARGS   ?=
+NPROC  ?=
+
+# NPROC > 1: the same run across NPROC processes under torchrun (parallel.tp_size / dp_size, docs/parallel.md)
+LAUNCH := $(if $(filter-out 1,$(NPROC)),$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC),$(PY))
 
 # Hydra overrides built from the optional variables; empty ones are left out.
 OVERRIDES := $(if $(TASK),task=$(TASK)) $(if $(MODEL),model=$(MODEL)) $(if $(METHOD),method=$(METHOD)) \
@@ -42,8 +46,8 @@ quick: $(STAMP) ## Compressed + full + report on 6 RULER problems -> results/qui
 	$(PY) -m evalkit $(QUICK) method=full
 	$(PY) -m evalkit.report results_dir=$(QUICK_DIR)
 
-eval: $(STAMP) ## Evaluate: make eval [TASK=ruler MODEL=smollm2_135m METHOD=snapstream BUDGET=256 ARGS="k=v ..."]
-	$(PY) -m evalkit $(OVERRIDES)
+eval: $(STAMP) ## Evaluate: make eval [TASK=ruler MODEL=smollm2_135m METHOD=snapstream BUDGET=256 NPROC=1 ARGS="k=v ..."]
+	$(LAUNCH) -m evalkit $(OVERRIDES)
 
 sweep: $(STAMP) ## Run a sweep config from conf/sweep: make sweep SWEEP=ruler_budgets [ARGS=...]
 	$(PY) -m evalkit sweep=$(SWEEP) $(ARGS)

@@ -37,6 +37,7 @@ from evalkit.kv.layout import slots_needed
 from evalkit.kv.pool import SlotPool
 from evalkit.kv.prefill import PrefillRecord, shared_prefill
 from evalkit.kv.static import compile_config
+from evalkit.parallel import agree
 
 
 @dataclass(eq=False)
@@ -171,7 +172,7 @@ class Engine:
             use_cache=True,
             **self._keep_last(),
         )
-        logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)  # (rows, V)
+        logits = agree(out.logits[:, -1].to(copy=True, dtype=torch.float32))  # (rows, V), as the TP root's
         greedy = torch.argmax(logits, dim=-1)  # (rows,)
         chosen = greedy.tolist()  # one host read per step, not one per row
         active = [r for r, row in enumerate(live) if row is not None]
@@ -222,7 +223,7 @@ class Engine:
         # the owner and each replaying request drop their reference once prefilled, so a prompt's record lives
         # only until its last budget is in (a record holds the prompt's whole K/V)
         req.replayed, req.replay, req.record = replay is not None, None, None
-        return cache, out.logits[:, -1].to(copy=True, dtype=torch.float32)
+        return cache, agree(out.logits[:, -1].to(copy=True, dtype=torch.float32))  # TP: the root's logits
 
     def _new_row(self, req: Request, prefill_s: float) -> _Row:
         from lm_eval.models.utils_hf import MultiTokenEOSCriteria

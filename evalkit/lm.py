@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import GenerationConfig
 
+from evalkit import parallel
 from evalkit.journal import journal_record, journaled, keyed
 from evalkit.kv import Full
 from evalkit.request import (
@@ -92,6 +93,9 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
             batch_size=int(batch_size),
             max_length=max_length or context_length(spec, hf_model.config),
         )
+        # a TP group runs every request on every rank, and DP replicas split them themselves
+        # (`parallel.owns`): lm-eval must never split requests across evalkit's processes
+        self._rank, self._world_size = 0, 1
 
     # --- generation requests: lm-eval's requests in, evalkit.engine's continuous batching underneath --------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -100,10 +104,12 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         once."""
         from evalkit.engine import Engine
 
-        results: list[str | None] = [None] * len(requests)
+        # another DP replica's request is answered by that replica's journal: "" here (scoring reads journals)
+        results: list[str | None] = [None if parallel.owns(i) else "" for i in range(len(requests))]
         jobs = [
             job
             for i, req, key in zip(range(len(requests)), requests, keyed(requests))
+            if parallel.owns(i)
             for job in self._jobs(i, self._prompt(req, key), results)
         ]
         methods = 1 + len(self.also)
@@ -132,6 +138,7 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
             bar.update(1)
             bar.set_postfix(**engine.rates(), idle=f"{engine.idle_fraction():.0%}")
         bar.close()
+        parallel.note_kv(engine.pool)  # this rank's KV bytes, for metrics.json's layout record
         return results
 
     def _jobs(self, i: int, p: Prompt, results: list) -> list:

@@ -25,6 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from evalkit import metrics as metrics_record
+from evalkit import parallel
 from evalkit.config import (
     CONF_DIR,
     ConfigError,
@@ -206,8 +207,7 @@ def evaluated(p: Plan, loaded) -> list:
     return loaded.samples[: p.cfg.limit] if p.cfg.limit else loaded.samples
 
 
-def open_journal(p: Plan) -> Journal:
-    path = p.out / "generations.jsonl"
+def open_journal(p: Plan, path: Path) -> Journal:
     if path.exists() and not path.is_file():
         raise ConfigError(f"{path} is not a file: move it away (the journal is a file this run appends to)")
     journal = Journal(path)
@@ -245,7 +245,7 @@ def generate(plans: list[Plan], load_kwargs: dict, context: int) -> None:
     lm = p.spec.make_lm(
         plans, context, lambda spec: get_model(spec)
     )  # get_model looked up now: tests patch it
-    for q in plans:
+    for q in plans if parallel.LAYOUT.writer else ():
         atomic_write(q.out / "config.yaml", config_yaml(q.cfg))
     lm_eval_generate(p, lm, load_kwargs)
 
@@ -299,6 +299,7 @@ def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
     metrics = summarize(p, loaded, rows, model_config(p.spec, resolve_source(p.spec)), context, counts)
     metrics.task_setup = setup
     metrics.extra.update(p.spec.extra_metrics(p.out))
+    metrics.extra["parallel"] = parallel.provenance()  # the layout: provenance, not identity
     atomic_write(p.out / "config.yaml", config_yaml(p.cfg))  # the grading settings now in force
     atomic_write(p.out / "samples.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     metrics_record.write(p.out / "metrics.json", metrics)
@@ -323,28 +324,37 @@ def run(cfg: DictConfig) -> list[dict]:
     from evalkit.task import get_tokenizer
 
     plans = plans_for(cfg)
-    for p in plans:
+    writer = parallel.LAYOUT.writer  # one writer: only rank 0 reads or writes the run folders
+    for p in plans if writer else ():
         check_folder(p.out, p.cfg)
         check_writable(p.out)
     spec = plans[0].spec
+    parallel.check_model(spec)
     context = context_length(spec, model_config(spec, resolve_source(spec)))
     check_budget(plans, context)
     loaded, load_kwargs = load_data(plans[0], tokenizer_path(spec), context)  # before any model loads
-    setup = configure_task(plans[0])
-    locks = [RunLock(p.out) for p in plans]
+    setup = configure_task(plans[0]) if writer else None
+    locks = [RunLock(p.out) for p in plans] if writer else []
     try:
         for lock in locks:
             lock.acquire()
-        for p in plans:
-            p.state = classify(p, loaded)
-            if p.state != "done":
-                p.journal = open_journal(p)
+        states = parallel.from_writer([classify(p, loaded) for p in plans] if writer else None)
+        for p, state in zip(plans, states):
+            p.state = state
+        parallel.open_journals(plans, open_journal)  # each replica's shard; TP peers: their root's records
         left = {p.out: missing(p, loaded) for p in plans if p.state != "done"}
-        announce(plans, loaded, len(evaluated(plans[0], loaded)), left)
+        if writer:
+            announce(plans, loaded, len(evaluated(plans[0], loaded)), left)
         todo = [p for p in plans if left.get(p.out)]
         if todo:
             generate(todo, load_kwargs, context)
+        parallel.barrier()  # every replica has journaled its share
+        parallel.gather_kv()
+        if not writer:
+            return []
         for p in plans:
+            if p.state != "done":
+                parallel.fold_shards(p.journal)
             if p.state == "rebuild":
                 print(f"evalkit: {p.out}: samples.jsonl is missing; rebuilding it from its journal")
             if p.state == "rescore":
@@ -372,9 +382,10 @@ def main(cfg: DictConfig) -> None:
     # lm-eval warns per breakdown key ("no aggregation defined"): evalkit aggregates those itself
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     try:
+        parallel.init(parallel.layout(cfg))  # a layout that does not fit NPROC fails here, before any load
         run(cfg)
     except EvalkitError as e:
-        exit_with("evalkit", e)
+        exit_with(f"evalkit{parallel.rank_tag()}", e)
 
 
 if __name__ == "__main__":

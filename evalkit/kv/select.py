@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from evalkit.parallel import agree_kept
+
 # Scores for one head chunk are (B, H, g, w, T) floats; chunk the heads so 128k-token prompts stay bounded.
 _MAX_SCORE_ELEMENTS = 1 << 27
 
@@ -98,7 +100,7 @@ def place_topk(pos: torch.Tensor, scores: torch.Tensor, rows, blocks: tuple[int,
     picked[..., : best.indices.shape[-1]] = torch.where(
         best.values > float("-inf"), best.indices - rows.pad[:, None, None], t
     )
-    picked = picked.sort(dim=-1).values  # kept positions in order, then the padding (t)
+    picked = agree_kept(picked.sort(dim=-1).values)  # kept positions in order, then the padding (t)
     block = slice(sink + tail_long, sink + tail_long + topk)
     picked = torch.where(picked < t, picked, -1)
     selecting = (rows.topk > 0)[:, None, None]  # rows kept whole use these slots for their tail

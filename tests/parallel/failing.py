@@ -1,0 +1,39 @@
+"""`python -m evalkit` under torchrun with one rank made to fail at an exact moment, no clock involved:
+`EVALKIT_TEST_FAIL=kill:<rank>:<n>` SIGKILLs that rank right after its n-th journal append;
+`raise:<rank>:<n>` raises in that rank at its n-th decode step (the others then wait in a collective)."""
+
+import os
+import signal
+import sys
+
+import evalkit.engine as engine
+import evalkit.journal as journal
+from evalkit.run import main
+
+how, rank, after = os.environ["EVALKIT_TEST_FAIL"].split(":")
+count = [0]
+
+if int(os.environ["RANK"]) == int(rank) and how == "kill":
+    append = journal.Journal.append
+
+    def killing_append(self, rec):
+        append(self, rec)
+        count[0] += 1
+        if count[0] == int(after):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    journal.Journal.append = killing_append
+
+if int(os.environ["RANK"]) == int(rank) and how == "raise":
+    step = engine.Engine._step
+
+    def failing_step(self, live, last):
+        count[0] += 1
+        if count[0] == int(after):
+            raise RuntimeError(f"injected failure on rank {rank}")
+        yield from step(self, live, last)
+
+    engine.Engine._step = failing_step
+
+sys.argv = ["evalkit", *sys.argv[1:]]
+main()

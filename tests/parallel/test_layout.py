@@ -1,0 +1,141 @@
+"""The layout of a multi-process run (no process group needed): its checks, torchrun's and SLURM's
+environments, the DP split, journal shards, and the layout's absence from a result's identity."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from evalkit import parallel
+from evalkit.config import ConfigError, compose
+from evalkit.identity import generation_yaml
+from evalkit.journal import Journal
+
+TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+
+
+def cfg(**block):
+    return {"parallel": {"tp_size": None, "dp_size": 1, "backend": None, **block}}
+
+
+@pytest.mark.parametrize(
+    "block, env, want",
+    [
+        ({}, {}, (1, 1, 0, None)),  # one process: today's run
+        ({}, TORCHRUN, (4, 1, 3, "gloo")),  # tp defaults to the world size
+        ({"dp_size": 4}, TORCHRUN, (1, 4, 3, "gloo")),
+        ({"tp_size": 4, "backend": "nccl"}, TORCHRUN, (4, 1, 3, "nccl")),
+        ({}, {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}, (8, 1, 5, "gloo")),
+    ],
+)
+def test_layout_from_the_config_and_the_environment(block, env, want, monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    lay = parallel.layout(cfg(**block), env)
+    assert (lay.tp, lay.dp, lay.rank, lay.backend) == want
+
+
+@pytest.mark.parametrize(
+    "block, env, message",
+    [
+        (
+            {"tp_size": 2},
+            {},
+            "parallel.tp_size=2 x parallel.dp_size=1 = 2 processes, but 1 were started (NPROC=1): set "
+            "NPROC=2, or tp_size x dp_size = 1",
+        ),
+        (
+            {"dp_size": 3},
+            TORCHRUN,
+            "parallel.dp_size=3 does not divide the 4 processes started (NPROC=4); make NPROC a multiple of "
+            "dp_size",
+        ),
+        ({"tp_size": 0}, {}, "parallel.tp_size must be a positive integer, got 0"),
+        ({"dp_size": "2"}, {}, "parallel.dp_size must be a positive integer, got '2'"),
+        ({"backend": "mpi"}, {}, "parallel.backend must be null, nccl or gloo, got 'mpi'"),
+        (
+            {"tp_size": 2, "dp_size": 2},
+            TORCHRUN,
+            "parallel.tp_size=2 with dp_size=2: tensor and data parallel in one run is not supported yet",
+        ),
+    ],
+)
+def test_a_layout_that_cannot_run_is_refused(block, env, message):
+    with pytest.raises(ConfigError) as e:
+        parallel.layout(cfg(**block), env)
+    assert message in str(e.value)
+
+
+def test_slurm_sets_the_master_address_from_its_node_list(monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "16", "SLURM_NODELIST": "gpu[03-04]"}
+    assert parallel.world_from_env(env) == (0, 16, 0)
+    assert parallel.first_host("gpu[03-05,09],cpu1") == "gpu03"
+    assert parallel.first_host("node7") == "node7"
+    assert os.environ["MASTER_ADDR"] == "gpu03"
+
+
+def test_replicas_split_the_requests_between_them(monkeypatch):
+    split = []
+    for r in range(3):
+        monkeypatch.setattr(parallel, "LAYOUT", parallel.Layout(dp=3, rank=r))
+        split.append([i for i in range(10) if parallel.owns(i)])
+    assert split == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+
+
+def rec(key: str) -> dict:
+    return {"key": key, "doc_id": 0, "repeat": 0, "text": key, "prompt_hash": "0" * 16, "stats": {}}
+
+
+def test_shards_count_as_done_and_fold_into_one_journal(tmp_path):
+    """A shard's records are done for every replica; at scoring rank 0 appends them to its journal once and
+    removes the shard; a shard with a line it cannot read is kept (nothing is lost)."""
+    (tmp_path / "generations.dp1.jsonl").write_text(json.dumps(rec("t/1/0/0")) + "\n")
+    (tmp_path / "generations.dp2.jsonl").write_text(json.dumps(rec("t/2/0/0")) + "\nnot json\n")
+    journal = Journal(parallel.shard_path(tmp_path, 0))
+    journal.append(rec("t/0/0/0"))
+    parallel.adopt_shards(journal)
+    assert set(journal.records) == {"t/0/0/0", "t/1/0/0", "t/2/0/0"}
+    parallel.fold_shards(journal)
+    journal.close()
+    lines = [json.loads(x)["key"] for x in journal.path.read_text().splitlines()]
+    assert lines == ["t/0/0/0", "t/1/0/0", "t/2/0/0"]
+    assert journal.generated_keys == {"t/0/0/0"}  # the shards' records were done before this process
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["generations.dp2.jsonl", "generations.jsonl"]
+
+
+def test_the_layout_is_no_part_of_a_runs_identity():
+    one = compose(overrides=["model=tiny_llama"])
+    tp = compose(overrides=["model=tiny_llama", "parallel.tp_size=8", "parallel.backend=nccl"])
+    assert generation_yaml(one) == generation_yaml(tp)
+
+
+def test_a_served_model_is_refused_under_several_processes(monkeypatch):
+    from evalkit.served import ServedSpec
+
+    spec = ServedSpec(name="served", base_url="http://127.0.0.1:8000/v1", tokenizer="smollm2_135m")
+    parallel.check_model(spec)  # one process: fine
+    monkeypatch.setattr(parallel, "LAYOUT", parallel.Layout(tp=2, rank=1))
+    with pytest.raises(ConfigError) as e:
+        parallel.check_model(spec)
+    assert str(e.value) == (
+        "model served is served at http://127.0.0.1:8000/v1: its server does the parallel work; run it with "
+        "NPROC=1 (this run started 2 processes)"
+    )
+
+
+@pytest.mark.parametrize(
+    "lay, requested, want",
+    [
+        (parallel.Layout(), "auto", "auto"),  # one process: the conf's own placement
+        (parallel.Layout(dp=8, rank=5, local_rank=5, backend="nccl"), "auto", "cuda:5"),  # its own GPU
+        (parallel.Layout(dp=2, rank=1, backend="gloo"), None, None),  # CPU replicas
+        (parallel.Layout(tp=8, rank=3, local_rank=3, backend="nccl"), None, None),  # TP: transformers places
+    ],
+)
+def test_each_gpu_replica_loads_onto_its_own_gpu(lay, requested, want, monkeypatch):
+    monkeypatch.setattr(parallel, "LAYOUT", lay)
+    assert parallel.device_map(requested) == want

@@ -1,0 +1,144 @@
+"""`python -m evalkit` across 2 processes under torchrun (CPU, gloo): one writer, DP shards, failures and
+resumes. Each run starts two Python processes: the DP and failure cases are marked slow."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import evalkit.run as runner
+import evalkit.task
+from evalkit.config import compose
+from tests.conftest import planned_folder
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ["model=tiny_llama", "task.load.n=1", "task.load.lengths=[1024]", "limit=4", "model.max_new_tokens=4"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(
+    results: Path, *overrides: str, script=("-m", "evalkit"), fail=None
+) -> subprocess.CompletedProcess:
+    env = {**ENV, **({"EVALKIT_TEST_FAIL": fail} if fail else {})}
+    cmd = [*TORCHRUN, *script, *RUN, *overrides, f"results_dir={results}"]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def one_process(results: Path, *overrides: str) -> Path:
+    evalkit.task._MEMO.clear()
+    runner.run(compose(overrides=[*RUN, *overrides, f"results_dir={results}"]))
+    return planned_folder(results, *RUN, *overrides)
+
+
+def predictions(folder: Path) -> list:
+    """What a run answered and scored, sample by sample (timings left out)."""
+    rows = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+    return [(r["id"], r["predictions"], r["scores"]) for r in rows]
+
+
+def headline(folder: Path) -> dict:
+    m = json.loads((folder / "metrics.json").read_text())
+    return {k: m[k] for k in ("scores", "n", "identity")}  # the identity too: the layout is no part of it
+
+
+def journal_keys(folder: Path) -> list[str]:
+    return [json.loads(line)["key"] for line in (folder / "generations.jsonl").read_text().splitlines()]
+
+
+def test_make_eval_nproc2_tensor_parallel_writes_the_journal_once(tmp_path):
+    args = f"parallel.tp_size=2 {' '.join(RUN[1:])} results_dir={tmp_path}"
+    cmd = [
+        "make",
+        "-s",
+        "-o",
+        ".venv/.stamp",
+        "eval",
+        "MODEL=tiny_llama",
+        "METHOD=snapstream",
+        "BUDGET=64",
+        "NPROC=2",
+        f"ARGS={args}",
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    folder = planned_folder(tmp_path, *RUN, "method.budget=64")
+    keys = journal_keys(folder)
+    assert sorted(keys) == sorted(set(keys)) and len(keys) == 4  # each request journaled once, by rank 0
+    assert done.stdout.count("evalkit: results in") == 1  # one writer reports
+    layout = json.loads((folder / "metrics.json").read_text())["parallel"]
+    assert {k: layout[k] for k in ("tp", "dp", "world_size", "backend")} == dict(
+        tp=2, dp=1, world_size=2, backend="gloo"
+    )
+    assert len(layout["kv_bytes_per_rank"]) == 2 and all(b > 0 for b in layout["kv_bytes_per_rank"])
+    ref = one_process(tmp_path / "one", "method.budget=64")
+    assert predictions(folder) == predictions(ref) and headline(folder) == headline(ref)
+
+
+def test_a_layout_that_does_not_fit_the_processes_is_refused_before_any_load(tmp_path):
+    cmd = [sys.executable, "-m", "evalkit", *RUN, "parallel.tp_size=2", f"results_dir={tmp_path}"]
+    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert (
+        "parallel.tp_size=2 x parallel.dp_size=1 = 2 processes, but 1 were started (NPROC=1): set NPROC=2"
+        in done.stderr
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_dp2_writes_what_one_process_does(tmp_path):
+    done = torchrun(tmp_path / "dp", "parallel.dp_size=2", "method.budget=64")
+    assert done.returncode == 0, done.stderr[-3000:]
+    folder = planned_folder(tmp_path / "dp", *RUN, "method.budget=64")
+    ref = one_process(tmp_path / "one", "method.budget=64")
+    assert predictions(folder) == predictions(ref) and headline(folder) == headline(ref)
+    assert sorted(p.name for p in folder.glob("generations*")) == ["generations.jsonl"]  # shards folded
+    assert sorted(journal_keys(folder)) == sorted(journal_keys(ref))
+
+
+@pytest.mark.slow
+def test_a_killed_dp_rank_ends_the_run_and_the_rerun_resumes(tmp_path):
+    """Rank 1 SIGKILLed after its first journal append: torchrun ends the run naming rank 1; the same command
+    resumes (rank 1's shard is kept) to the one-process result, each request journaled once."""
+    script = ("tests/parallel/failing.py",)
+    start = time.monotonic()
+    killed = torchrun(
+        tmp_path / "dp", "parallel.dp_size=2", "method.budget=64", script=script, fail="kill:1:1"
+    )
+    assert killed.returncode != 0 and time.monotonic() - start < 120
+    assert "Signal 9 (SIGKILL)" in killed.stderr and "rank      : 1" in killed.stderr
+    folder = planned_folder(tmp_path / "dp", *RUN, "method.budget=64")
+    assert not (folder / "metrics.json").exists() and (folder / "generations.dp1.jsonl").exists()
+    shard = [json.loads(x)["key"] for x in (folder / "generations.dp1.jsonl").read_text().splitlines()]
+    before = len(shard) + (len(journal_keys(folder)) if (folder / "generations.jsonl").exists() else 0)
+    again = torchrun(tmp_path / "dp", "parallel.dp_size=2", "method.budget=64")
+    assert again.returncode == 0, again.stderr[-3000:]
+    ref = one_process(tmp_path / "one", "method.budget=64")
+    assert predictions(folder) == predictions(ref) and headline(folder) == headline(ref)
+    keys = journal_keys(folder)
+    assert len(keys) == len(set(keys)) == 4 and set(shard) <= set(keys)
+    gen = json.loads((folder / "metrics.json").read_text())["generation"]
+    assert (gen["from_journal"], gen["generated_now"]) == (before, 4 - before)  # nothing done twice
+
+
+@pytest.mark.slow
+def test_a_failing_tp_rank_ends_the_run_with_its_error_and_another_layout_resumes(tmp_path):
+    """Rank 1 raises at its second decode step while rank 0 waits in a collective: the run ends within bounded
+    time with rank 1's error; one process then resumes the folder (the layout is no part of the identity)."""
+    start = time.monotonic()
+    failed = torchrun(
+        tmp_path, "parallel.tp_size=2", "method=snapkv", "method.budget=64",
+        script=("tests/parallel/failing.py",), fail="raise:1:2",
+    )  # fmt: skip
+    assert failed.returncode != 0 and time.monotonic() - start < 120
+    assert "RuntimeError: injected failure on rank 1" in failed.stderr
+    folder = one_process(tmp_path, "method=snapkv", "method.budget=64")
+    ref = one_process(tmp_path / "one", "method=snapkv", "method.budget=64")
+    assert predictions(folder) == predictions(ref) and headline(folder) == headline(ref)

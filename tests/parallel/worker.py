@@ -1,0 +1,104 @@
+"""What each process of a 2-process test runs (spawned by the tests, gloo on CPU), and the one-process
+reference: kept positions per layer and KV head after prefill, and the generated tokens, per method."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from tests.conftest import TINY
+
+METHODS = {
+    "full": {},
+    "streamingllm": {"budget": 24},
+    "snapkv": {"budget": 24, "window": 8},
+    "snapstream": {"budget": 24, "window": 8},
+}
+SAMPLING = {"greedy": dict(do_sample=False), "sampled": dict(do_sample=True, temperature=0.8, top_k=20)}
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 57)]
+
+
+# float64 where the model runs in it (no argmax near-tie can flip between one process's and TP's reduction
+# order); DeepSeek-V3's grouped expert matmul takes no float64, so it runs float32 and records the smallest
+# top-2 logit margin of every greedy step (the tests require it far above float32 reduction noise)
+DTYPE = {"llama": "float64", "deepseek_v3": "float32"}
+
+
+def observe(arch: str, methods: dict = METHODS) -> dict:
+    """{method: {"kept": [[layer][head] positions] per prompt, "tokens": {sampling: [tokens per prompt]},
+    "margin": smallest greedy top-2 logit margin}}."""
+    from transformers import GenerationConfig
+
+    from evalkit.engine import Engine, Request
+    from evalkit.kv import KVCache
+    from evalkit.kv.config import make_method
+    from evalkit.loading import load_model
+    from evalkit.models import ModelSpec
+
+    spec = ModelSpec(name=f"tiny_{arch}", random=TINY[arch], tokenizer="smollm2_135m", dtype=DTYPE[arch])
+    model, tokenizer = load_model(spec)
+    out = {}
+    for name, settings in methods.items():
+        method = make_method(name, **settings)
+        kept = []
+        for ids in prompts():
+            cache = KVCache.for_model(method, model)
+            with torch.inference_mode():
+                model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+            kept.append([cache.positions(i)[0].tolist() for i in range(len(cache.layers))])
+        tokens, margin = {}, float("inf")
+        for mode, gen in SAMPLING.items():
+            engine = Engine(model, tokenizer, eos_ids=[], rows=2)
+            reqs = [
+                Request(str(i), ids, 12, method, GenerationConfig(**gen), seed=100 + i, keep_logits=True)
+                for i, ids in enumerate(prompts())
+            ]
+            done = sorted(engine.run(reqs), key=lambda d: d.request.key)
+            tokens[mode] = [d.tokens for d in done]
+            if mode == "greedy":
+                top2 = [x.topk(2).values for d in done for x in d.logits]
+                margin = min(margin, *(float(v[0] - v[1]) for v in top2))
+        out[name] = {"kept": kept, "tokens": tokens, "margin": margin}
+    return out
+
+
+def perturbed(arch: str, rank: int) -> dict:
+    """SnapKV's kept positions and tokens with this rank's scores perturbed (rank 0's left as they are)."""
+    import evalkit.kv.cache as cache
+
+    mean = cache.group_mean
+    if rank:
+        cache.group_mean = lambda scores, h: mean(scores, h) + torch.rand_like(mean(scores, h))
+    try:
+        got = observe(arch, {"snapkv": METHODS["snapkv"]})["snapkv"]
+    finally:
+        cache.group_mean = mean
+    return {"kept": got["kept"], "tokens": got["tokens"]}
+
+
+def tp_main(rank: int, world: int, port: int, archs: tuple, folder: str) -> None:
+    """One rank of a TP=world run: joins the group through evalkit.parallel, writes what it observed."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from evalkit import parallel
+
+    parallel.init(parallel.layout({"parallel": {"tp_size": world, "dp_size": 1}}))
+    try:
+        result = {arch: observe(arch) for arch in archs}
+        result["deepseek_v3"]["perturbed"] = perturbed("deepseek_v3", rank)
+    finally:
+        parallel.teardown()
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    print(json.dumps(observe(sys.argv[1])))
