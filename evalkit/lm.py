@@ -31,6 +31,7 @@ from evalkit.request import (
     followup_prompt,
     generation_config,
     new_tokens_cap,
+    question_tokens,
     request_prompt,
     request_seed,
     stop_strings,
@@ -44,6 +45,9 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
     # (the budgets then decode one after another, still replaying one prefill). Outputs are the same either
     # way.
     batch_budgets = True
+    # query_aware=false: the task module's `question_start(sample)` (set by the runner); each prompt's context
+    # is prefilled and compressed alone, its question then fed on the compressed cache as decoded tokens are
+    question_start = None
 
     def __init__(
         self,
@@ -148,6 +152,8 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         if not todo:
             return []
         ids, truncated = self._encode(p)
+        n_question = question_tokens(self.tokenizer, p, ids) if p.question_at is not None else 0
+        ids, forced = ids[: len(ids) - n_question], ids[len(ids) - n_question :]
         windows = [m.window for m, _, _ in todo]
         record = PrefillRecord(window=max(32, *windows)) if len(todo) > 1 and p.followup is None else None
         return [
@@ -162,6 +168,7 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
                 record=record if n == 0 else None,
                 replay=record if n > 0 else None,
                 tag=_Job(i, p, j, primary, truncated),
+                forced=forced,
             )
             for n, (m, j, primary) in enumerate(todo)
         ]
@@ -229,7 +236,7 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         return f"{self.kv_method.name} {','.join(str(b) for b in budgets if b is not None)}".strip()
 
     def _prompt(self, req, key: str) -> Prompt:
-        return request_prompt(req, key, self.tokenizer, self.max_gen_toks, self._cap)
+        return request_prompt(req, key, self.tokenizer, self.max_gen_toks, self._cap, self.question_start)
 
     def _cap(self, n: int) -> int:
         return new_tokens_cap(self.spec, n)

@@ -70,6 +70,8 @@ PROMPT_COT_ANS = (
 )
 
 PROMPTS = {"0shot": PROMPT_0SHOT, "cot": PROMPT_COT}
+DOCUMENT_END = "</text>\n\n"
+QUESTION_MARK = DOCUMENT_END + QUESTION[: QUESTION.index("$Q$")]  # where query_aware=false splits
 
 
 def fill(template: str, row: dict, cot: str | None = None) -> str:
@@ -172,6 +174,16 @@ def cot_followup(sample: Sample, first_output: str) -> Sample:
     cot = first_output.strip()
     prompt = fill(PROMPT_COT_ANS, row, cot=cot)
     return replace(sample, prompt=prompt, max_new_tokens=ANSWER_TOKENS, meta={**sample.meta, "cot": cot})
+
+
+def question_start(sample: Sample) -> int:
+    """query_aware=false: the question block starts right after the document (`</text>\n\n` closes it, on
+    the context side); the question, its choices and the answer-format line (0shot) or "Let's think step by
+    step:" (cot) are the question. The last match counts: a document may quote the question block."""
+    at = sample.prompt.rfind(QUESTION_MARK)
+    if at < 0:
+        raise ValueError(f"{sample.id}: no question block found after the document")
+    return at + len(DOCUMENT_END)
 
 
 def score(predictions: list[str], sample: Sample) -> dict[str, float]:

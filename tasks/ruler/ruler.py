@@ -110,6 +110,31 @@ def load(
     return Loaded(samples, src, sha256_rows([asdict(s) for s in samples]), stats=stats)
 
 
+# --- query_aware=false: where the question starts (docs/query-agnostic.md) -------------------------------
+# Everything before the line that asks (the instructions, the haystack, QA's repeated instruction) is the
+# context, compressed before the question exists; that line, the model template's turn end and the answer
+# prefix are the question. The last match counts (vt's and cwe's in-context example asks its own question
+# earlier in the prompt).
+QUESTION_MARKS = {
+    "niah": ("\nWhat are all the special magic ", "\nWhat is the special magic "),
+    "vt": ("\nQuestion: ",),
+    "cwe": ("\nQuestion: ",),
+    "fwe": ("\nQuestion: ",),
+    "qa": ("\n\nQuestion: ",),
+}
+
+
+def question_start(sample: Sample) -> int:
+    """The offset in the user message (`sample.prompt`) of the question's first character (the line that
+    asks, after its newline)."""
+    marks = QUESTION_MARKS[TASKS[sample.meta["task"]].generator]
+    at = max(sample.prompt.rfind(m) for m in marks)
+    if at < 0:
+        raise ValueError(f"{sample.id}: no question found in the prompt (looked for {marks})")
+    mark = next(m for m in marks if sample.prompt.startswith(m, at))
+    return at + len(mark) - len(mark.lstrip("\n"))
+
+
 # --- scoring (upstream scripts/eval/evaluate.py postprocess + scripts/eval/synthetic/constants.py)
 def postprocess(prediction: str) -> str:
     """Upstream: strip, control characters to newlines, strip again."""

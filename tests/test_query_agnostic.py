@@ -1,0 +1,142 @@
+"""query_aware=false: the context is prefilled and compressed before the question exists, then the question
+and answer prefix are fed on the compressed cache as decoded tokens are (docs/query-agnostic.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import evalkit.run as runner
+import evalkit.task
+from evalkit.config import ConfigError, compose
+from evalkit.engine import Engine, Request
+from evalkit.identity import hashes
+from evalkit.kv import Full, KVCache, SnapKV, SnapStream
+from evalkit.request import generation_config
+from tests.conftest import planned_folder, tiny_model
+
+RULER = [
+    "model=tiny_llama",
+    "task.load.n=1",
+    "task.load.lengths=[1024]",
+    "task.load.tasks=[niah_single_1,vt]",
+]
+
+
+def run(*overrides, results):
+    evalkit.task._MEMO.clear()
+    return runner.run(compose(overrides=[*overrides, f"results_dir={results}"]))
+
+
+def journal(folder) -> dict:
+    lines = (folder / "generations.jsonl").read_text().splitlines()
+    return {r["key"]: r for r in map(json.loads, lines)}
+
+
+def request(ids, method, forced=(), max_new=6) -> Request:
+    cfg = generation_config({}, max_new, eos=[], pad=0)
+    return Request("k", list(ids), max_new, method, cfg, 0, keep_logits=True, forced=list(forced))
+
+
+# --- the engine feeds forced tokens as decoded ones -----------------------------------------------------
+def test_a_full_cache_decodes_the_same_whether_the_question_is_prefilled_or_fed():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 250, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine = Engine(model, None, [], rows=2)
+    aware, agnostic = engine.run([request(ids, Full()), request(ids[:70], Full(), forced=ids[70:])])
+    assert aware.tokens == agnostic.tokens
+    for a, b in zip(aware.logits, agnostic.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert agnostic.stats["question_tokens"] == 20 and agnostic.stats["prompt_tokens"] == 90
+    assert "question_tokens" not in aware.stats
+
+
+@pytest.mark.parametrize("method", [SnapStream(budget=48), SnapKV(budget=48)])
+def test_fed_question_tokens_land_where_decoded_tokens_do(method):
+    """Feeding the question is decoding it teacher-forced: a request that generated the question's tokens
+    itself (its prompt = the context, its output forced to them) holds the same cache and continues the
+    same: compared through the engine's kept logits after the last question token."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 250, (120,), generator=torch.Generator().manual_seed(2)).tolist()
+    engine = Engine(model, None, [], rows=1)
+    (fed,) = engine.run([request(ids[:100], method, forced=ids[100:], max_new=4)])
+    # the reference: the same context, then one forward per question token on the one-row dynamic cache
+    cache = KVCache.for_model(method, model)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids[:100]]), cache=cache, use_cache=True)
+        for t in ids[100:]:
+            out = model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True)
+    torch.testing.assert_close(fed.logits[0], out.logits[0, -1].float(), rtol=1e-4, atol=1e-4)
+    # a ring stays its budget; an append cache holds the kept context, the 20 question tokens and the 3
+    # generated tokens fed back (the last one is never fed)
+    assert fed.stats["kv_slots"] == (48 if method.ring else 48 + 20 + 3)
+
+
+# --- the runner -------------------------------------------------------------------------------------
+def test_query_agnostic_full_cache_equals_query_aware_and_lands_in_its_own_folder(tmp_path):
+    default = planned_folder(tmp_path, *RULER, "method=full")
+    agnostic = planned_folder(tmp_path, *RULER, "method=full", "query_aware=false")
+    assert "query_aware" not in str(default)  # the default run's folder and identity are today's
+    assert agnostic.parts[-4].endswith("-query_awarefalse") and agnostic != default
+    run(*RULER, "method=full", results=tmp_path)
+    run(*RULER, "method=full", "query_aware=false", results=tmp_path)
+    a, b = journal(default), journal(agnostic)
+    assert {k: r["text"] for k, r in a.items()} == {k: r["text"] for k, r in b.items()}
+    assert {k: r["prompt_hash"] for k, r in a.items()} == {k: r["prompt_hash"] for k, r in b.items()}
+    assert all(r["stats"]["question_tokens"] > 5 for r in b.values())
+    assert "query_aware: true" in (default / "config.yaml").read_text()  # recorded, for the report to pair
+    assert "query_aware: false" in (agnostic / "config.yaml").read_text()
+    # a run made before the setting existed (no key) keeps its identity and is skipped, not refused
+    saved = OmegaConf.load(default / "config.yaml")
+    older = OmegaConf.masked_copy(saved, [k for k in saved if k != "query_aware"])
+    assert (
+        hashes(older, 1, "d", 1)
+        == hashes(saved, 1, "d", 1)
+        != hashes(OmegaConf.load(agnostic / "config.yaml"), 1, "d", 1)
+    )
+    (default / "config.yaml").write_text(OmegaConf.to_yaml(older))
+    run(*RULER, "method=full", results=tmp_path)  # checks the folder against the older config: no refusal
+
+
+def test_a_budget_list_replays_the_contexts_prefill_and_equals_separate_runs(tmp_path):
+    run(*RULER, "method.budget=[64,128]", "query_aware=false", "batch_size=2", results=tmp_path / "list")
+    for b in (64, 128):
+        run(*RULER, f"method.budget={b}", "query_aware=false", results=tmp_path / "one")
+        together = journal(
+            planned_folder(tmp_path / "list", *RULER, f"method.budget={b}", "query_aware=false")
+        )
+        alone = journal(planned_folder(tmp_path / "one", *RULER, f"method.budget={b}", "query_aware=false"))
+        assert {k: r["text"] for k, r in together.items()} == {k: r["text"] for k, r in alone.items()}
+        assert any(r["stats"]["prefill_replayed"] for r in together.values()) == (b == 128)
+
+
+@pytest.mark.parametrize(
+    "task, why",
+    [
+        ("aime24", "the problem statement is the whole prompt"),
+        (
+            "livecodebench",
+            "the problem statement (with its examples and starter code) is the question itself",
+        ),
+        (
+            "livecodebench_r1",
+            "the problem statement (with its examples and starter code) is the question itself",
+        ),
+    ],
+)
+def test_tasks_without_a_context_refuse_query_agnostic_with_the_reason(task, why, tmp_path):
+    cfg = compose(
+        overrides=["model=tiny_llama", f"task={task}", "query_aware=false", f"results_dir={tmp_path}"]
+    )
+    message = f"query_aware=false: task {task} cannot compress its context before the question: {why}"
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        runner.plan(cfg)
+
+
+def test_query_aware_must_be_a_boolean(tmp_path):
+    cfg = compose(overrides=[*RULER, "query_aware=maybe", f"results_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="query_aware must be true or false, got 'maybe'"):
+        runner.plan(cfg)
