@@ -140,3 +140,36 @@ def test_query_aware_must_be_a_boolean(tmp_path):
     cfg = compose(overrides=[*RULER, "query_aware=maybe", f"results_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="query_aware must be true or false, got 'maybe'"):
         runner.plan(cfg)
+
+
+# --- what compression keeps ----------------------------------------------------------------------------
+def kept_needle(model, ids: list[int], needle: set[int]) -> tuple[float, list[set[int]]]:
+    """(share of the needle's (token, layer, head) entries SnapKV keeps, the kept positions per layer and
+    head) after prefilling `ids` into a budget of 96."""
+    cache = KVCache.for_model(SnapKV(budget=96), model)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+    heads = [set(h.tolist()) for i in range(len(cache.layers)) for h in cache.positions(i)[0]]
+    return sum(len(h & needle) for h in heads) / (len(heads) * len(needle)), heads
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_query_agnostic_snapkv_keeps_less_of_the_needle_the_question_names(smollm2, seed):
+    """SnapKV scores the prompt with its last 32 queries. Query-aware, they are the question naming the
+    needle's key: about half of the needle's entries are kept (0.51-0.53 over seeds 0-2). Query-agnostic, the
+    window is the haystack's end: about a fifth (0.21-0.22), and no layer or head keeps the same set."""
+    from evalkit.demo import needle_sample
+
+    model, tok = smollm2
+    text, value = needle_sample(tok, 1000, seed)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, spans = enc["input_ids"], enc["offset_mapping"]
+    at = text.rfind("\nWhat is the special magic number for ") + 1  # where RULER's niah question starts
+    context = next(i for i, (_, end) in enumerate(spans) if end > at)
+    start, end = text.find("One of the special magic"), text.find(value) + len(value) + 1
+    needle = {i for i, (s, e) in enumerate(spans) if s >= start and e <= end}
+    assert len(needle) > 15 and max(needle) < context
+    aware, aware_heads = kept_needle(model, ids, needle)
+    agnostic, agnostic_heads = kept_needle(model, ids[:context], needle)
+    assert aware > 0.45 and agnostic < 0.3
+    assert all(a != b for a, b in zip(aware_heads, agnostic_heads, strict=True))
