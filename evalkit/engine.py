@@ -57,6 +57,10 @@ class Request:
     # fed after the prefill as decoded tokens are, before anything is generated (query_aware=false: the
     # question and answer prefix, on the compressed context); teacher-forced, one token per step
     forced: list[int] = field(default_factory=list)
+    # the next questions of a conversation on this request's cache (multi_question), each with its own
+    # `forced` (the turn's markup, question and answer prefix), limits, seed and tag; only `ids` is unused.
+    # A turn's answer stays in the cache: its last token, unless an EOS, is fed before the next turn's
+    turns: list[Request] = field(default_factory=list)
 
 
 @dataclass
@@ -205,8 +209,21 @@ class Engine:
         kv = self.pool.row_stats() if finished else []  # every row's figures at once (a few host reads)
         for r, ended in finished:
             yield self._done(live[r], ended, kv[r])
+            if live[r].request.turns:  # a conversation: its next question, on the same row's cache
+                live[r] = self._next_turn(live[r])
+                last[r] = live[r].forced.popleft()
+                continue
             live[r] = None
             self.pool.idle_row(r)
+
+    def _next_turn(self, row: _Row) -> _Row:
+        """The row's next question: the last answer token fed back (an EOS is left out: the turn's markup
+        closes the answer), then the turn's own forced tokens."""
+        nxt = row.request.turns[0]
+        nxt.turns = row.request.turns[1:]
+        new = self._new_row(nxt, 0.0)
+        new.forced.extendleft([] if row.tokens[-1] in self.eos else [row.tokens[-1]])
+        return new
 
     # --- one request ----------------------------------------------------------------------------------------
     def _prefill(self, req: Request) -> tuple[KVCache, torch.Tensor]:
@@ -222,7 +239,7 @@ class Engine:
             self.model,
             record=req.record,
             replay=replay,
-            max_new_tokens=req.max_new + len(req.forced),
+            max_new_tokens=sum(t.max_new + len(t.forced) + 1 for t in [req, *req.turns]),
         )
         ids = torch.tensor([req.ids], device=self.model.device)
         with shared_prefill(self.model):
@@ -304,8 +321,13 @@ class Engine:
         return Done(req, row.tokens, ended, stats, row.logits)
 
     def _need(self, req: Request) -> int:
-        """Slots a request needs in the pool."""
-        return slots_needed(req.method, len(req.ids), req.max_new + len(req.forced))
+        """Slots a request needs in the pool (a conversation: all its turns)."""
+        if req.turns and not all(t.forced for t in [req, *req.turns]):
+            raise ValueError(
+                "a conversation's every turn feeds its question (forced tokens) before it answers"
+            )
+        new = sum(t.max_new + len(t.forced) + 1 for t in [req, *req.turns])  # +1: a fed-back last token
+        return slots_needed(req.method, len(req.ids), new)
 
     def _keep_last(self) -> dict:
         """logits_to_keep=1 where the model takes it, as generate passes it (same numbers, less work)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from transformers import GenerationConfig
 
-from evalkit.sample import Sample, render_sample
+from evalkit.sample import TEMPLATE_KEY, Sample, render_sample
 
 DOC_FIELDS = {"id", "task", "prompt", "answers", "max_new_tokens"}
 
@@ -102,6 +102,29 @@ def question_offset(text: str, sample: Sample, start: int) -> int:
             "alters the user message, or the question does not start inside it"
         )
     return at + start
+
+
+ANSWER_MARK = "EVALKIT_ANSWER_SLOT_7f3a"  # stands for an answer while the chat template renders a next turn
+
+
+def next_turn_text(tokenizer, sample: Sample, question: str) -> str:
+    """multi_question: the text that asks `question` as the conversation's next turn, right after an answer:
+    the chat template's end of the assistant turn, a user turn holding the question, the assistant turn's
+    start, then the sample's answer prefix (the template renders a conversation; its text after the answer
+    is taken)."""
+    if sample.rendered or sample.meta.get(TEMPLATE_KEY) or not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"{sample.id}: multi_question asks the next question as a chat turn, so it needs the tokenizer's "
+            "chat template (a task's own single-turn template, a raw prompt or a base model has no next turn)"
+        )
+    messages = [{"role": "system", "content": sample.system}] if sample.system else []
+    messages += [
+        {"role": "user", "content": "context"},
+        {"role": "assistant", "content": ANSWER_MARK},
+        {"role": "user", "content": question},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text[text.index(ANSWER_MARK) + len(ANSWER_MARK) :] + sample.answer_prefix
 
 
 def question_tokens(tokenizer, p: Prompt, ids: list[int]) -> int:

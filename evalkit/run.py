@@ -116,6 +116,7 @@ def check_run_settings(cfg: DictConfig) -> None:
         ("seed", cfg.get("seed"), _int, "an integer"),
         ("compile", cfg.get("compile"), lambda v: isinstance(v, bool), "true or false"),
         ("query_aware", cfg.get("query_aware", True), lambda v: isinstance(v, bool), "true or false"),
+        ("multi_question", cfg.get("multi_question", False), lambda v: isinstance(v, bool), "true or false"),
         (
             "model.max_new_tokens",
             cfg.model.get("max_new_tokens"),
@@ -136,7 +137,24 @@ def check_run_settings(cfg: DictConfig) -> None:
 
 def check_question_split(cfg: DictConfig, task_module) -> None:
     """query_aware=false needs a task whose prompt has a context before its question, and that says where the
-    question starts (`question_start`); a task without one is refused with its own reason."""
+    question starts (`question_start`); a task without one is refused with its own reason. multi_question
+    needs query_aware=false and the tokenizer's chat template (its next questions are chat turns)."""
+    if cfg.get("multi_question", False):
+        if cfg.get("query_aware", True):
+            raise ConfigError(
+                "multi_question=true asks several questions on one context compressed before any of them: "
+                "it needs query_aware=false"
+            )
+        if cfg.model.get("prompt_format") or cfg.model.get("base_url"):
+            raise ConfigError(
+                f"multi_question=true: model {cfg.model.name} "
+                + (
+                    "is served (a served cache is not held between requests): run it in process"
+                    if cfg.model.get("base_url")
+                    else f"renders {cfg.task.name} with its own single-turn template "
+                    f"(model.prompt_format={cfg.model.prompt_format}): set model.prompt_format=null"
+                )
+            )
     if cfg.get("query_aware", True):
         return
     if getattr(task_module, "question_start", None) is None:
@@ -152,9 +170,15 @@ def ask_later(lm, p: Plan) -> None:
     keeps a full cache, which is query-agnostic by nature: its prompts go as they are (the same outputs)."""
     if not p.cfg.get("query_aware", True) and hasattr(lm, "question_start"):
         lm.question_start = p.task_module.question_start
+        lm.multi_question = bool(p.cfg.get("multi_question", False))
 
 
-RUNNER_LOAD_KEYS = {"tokenizer", "model_context", "prompt_format"}  # what the runner itself passes to `load`
+RUNNER_LOAD_KEYS = {
+    "tokenizer",
+    "model_context",
+    "prompt_format",
+    "multi_question",
+}  # what the runner itself passes to `load`
 
 
 def check_load_keys(cfg: DictConfig, task_module) -> None:
@@ -212,6 +236,8 @@ def load_data(p: Plan, tokenizer_source: str, context: int):
     kwargs["model_context"] = context
     if getattr(p.spec, "prompt_format", None):  # a task with its own template for this model family uses it
         kwargs["prompt_format"] = p.spec.prompt_format
+    if p.cfg.get("multi_question", False):  # one sample per question, grouped into conversations
+        kwargs["multi_question"] = True
     try:
         loaded = load_task(p.cfg.task.name, p.task_module.load, **kwargs)
     except (LookupError, ValueError, OSError, RuntimeError) as e:  # bad data or data options

@@ -145,7 +145,15 @@ def _prompted(sample: Sample, rows: list, mode: str, tokenizer, max_len: int) ->
 
 
 def load(
-    source="sample", n=None, seed=0, tokenizer=None, max_len=MAX_LEN, mode="0shot", model_context=None, **_
+    source="sample",
+    n=None,
+    seed=0,
+    tokenizer=None,
+    max_len=MAX_LEN,
+    mode="0shot",
+    model_context=None,
+    multi_question=False,
+    **_,
 ) -> Loaded:
     """LongBench-v2 samples. The runner passes the evaluated model's tokenizer and context; max_len is
     capped at model context - generation tokens - TEMPLATE_MARGIN (evalkit choice: upstream's 120000 for
@@ -161,6 +169,13 @@ def load(
     samples, skipped = unique((_parse(row, i) for i, row in enumerate(rows)), "_id")
     # prompts are filled and tokenised only for the samples kept
     samples = [_prompted(s, rows, mode, tokenizer, max_len) for s in subsample(samples, n, seed)]
+    if multi_question:
+        if mode == "cot":
+            raise ValueError(
+                "multi_question asks each question in one call on the shared document; mode=cot makes a "
+                "second call without it: use mode=0shot"
+            )
+        samples = conversations(samples)
     stats = {"truncated": sum(s.meta["truncated"] for s in samples), "mode": mode}
     stats["max_len"] = max_len if tokenizer is not None else None
     return Loaded(samples, tag, digest, skipped, stats)
@@ -184,6 +199,19 @@ def question_start(sample: Sample) -> int:
     if at < 0:
         raise ValueError(f"{sample.id}: no question block found after the document")
     return at + len(DOCUMENT_END)
+
+
+def conversations(samples: list[Sample]) -> list[Sample]:
+    """multi_question: the items whose prompts share one context (the same document, the same cut) become
+    one conversation (`conversation` = its first item's id), asked in file order; each item keeps its id."""
+    groups: dict[str, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.prompt[: question_start(s)], []).append(s)
+    return [
+        replace(s, meta={**s.meta, "conversation": group[0].id, "turn": turn})
+        for group in groups.values()
+        for turn, s in enumerate(group)
+    ]
 
 
 def score(predictions: list[str], sample: Sample) -> dict[str, float]:
