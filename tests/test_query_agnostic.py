@@ -173,3 +173,25 @@ def test_query_agnostic_snapkv_keeps_less_of_the_needle_the_question_names(smoll
     agnostic, agnostic_heads = kept_needle(model, ids[:context], needle)
     assert aware > 0.45 and agnostic < 0.3
     assert all(a != b for a, b in zip(aware_heads, agnostic_heads, strict=True))
+
+
+def test_the_compiled_step_feeds_the_question_as_the_eager_one():
+    """Forced tokens go through the pool's one decode step: compiled (one graph, no recompilation per fed
+    token) it decodes what eager does, at batch 3 with rows of different methods."""
+    from tests.kv.test_compile import Counting
+
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (80, 95, 110)]
+    methods = [SnapStream(budget=48), SnapKV(budget=48), Full()]
+
+    def reqs():
+        return [request(ids[:-15], m, forced=ids[-15:], max_new=5) for ids, m in zip(prompts, methods)]
+
+    eager = {
+        d.request.key + str(i): d.tokens for i, d in enumerate(Engine(model, None, [], rows=3).run(reqs()))
+    }
+    backend = Counting()
+    compiled = Engine(model, None, [], rows=3, compile=backend).run(reqs())
+    assert {d.request.key + str(i): d.tokens for i, d in enumerate(compiled)} == eager
+    assert backend.compiled == 1
