@@ -131,3 +131,19 @@ def test_multi_question_refuses_what_it_cannot_do_before_any_data(overrides, mes
 def test_longbench_cot_is_refused_in_multi_question_mode():
     with pytest.raises(ValueError, match="mode=cot makes a second call without it: use mode=0shot"):
         lb.load(mode="cot", multi_question=True)
+
+
+def test_the_next_question_is_the_chat_templates_next_turn():
+    from evalkit.config import model_spec
+    from evalkit.models import tokenizer_path
+    from evalkit.request import next_turn_text
+    from evalkit.task import get_tokenizer
+
+    tok = get_tokenizer(tokenizer_path(model_spec("smollm2_135m")))
+    s = Sample("x", "ruler", "P", [], 8, answer_prefix=" The number is")
+    assert next_turn_text(tok, s, "Which number?") == (
+        "<|im_end|>\n<|im_start|>user\nWhich number?<|im_end|>\n<|im_start|>assistant\n The number is"
+    )
+    s.meta["prompt_template"] = "[INST] {prompt} [/INST]"
+    with pytest.raises(ValueError, match="x: multi_question asks the next question as a chat turn"):
+        next_turn_text(tok, s, "Which number?")

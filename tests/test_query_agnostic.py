@@ -15,7 +15,7 @@ from evalkit.config import ConfigError, compose
 from evalkit.engine import Engine, Request
 from evalkit.identity import hashes
 from evalkit.kv import Full, KVCache, SnapKV, SnapStream
-from evalkit.request import generation_config
+from evalkit.request import Prompt, generation_config, question_tokens
 from tests.conftest import planned_folder, tiny_model
 
 RULER = [
@@ -165,7 +165,7 @@ def test_query_agnostic_snapkv_keeps_less_of_the_needle_the_question_names(smoll
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, spans = enc["input_ids"], enc["offset_mapping"]
     at = text.rfind("\nWhat is the special magic number for ") + 1  # where RULER's niah question starts
-    context = next(i for i, (_, end) in enumerate(spans) if end > at)
+    context = len(ids) - question_tokens(tok, Prompt("k", text, 8, {}, question_at=at), ids)  # the LM's split
     start, end = text.find("One of the special magic"), text.find(value) + len(value) + 1
     needle = {i for i, (s, e) in enumerate(spans) if s >= start and e <= end}
     assert len(needle) > 15 and max(needle) < context
