@@ -63,6 +63,12 @@ class Request:
     turns: list[Request] = field(default_factory=list)
 
 
+def fed_tokens(req: Request) -> int:
+    """Tokens a request writes into its cache after the prefill, at most: its forced and generated ones, and
+    each later turn's (with the previous answer's last token, fed back)."""
+    return req.max_new + len(req.forced) + sum(t.max_new + len(t.forced) + 1 for t in req.turns)
+
+
 @dataclass
 class Done:
     request: Request
@@ -239,7 +245,7 @@ class Engine:
             self.model,
             record=req.record,
             replay=replay,
-            max_new_tokens=sum(t.max_new + len(t.forced) + 1 for t in [req, *req.turns]),
+            max_new_tokens=fed_tokens(req),
         )
         ids = torch.tensor([req.ids], device=self.model.device)
         with shared_prefill(self.model):
@@ -326,8 +332,7 @@ class Engine:
             raise ValueError(
                 "a conversation's every turn feeds its question (forced tokens) before it answers"
             )
-        new = sum(t.max_new + len(t.forced) + 1 for t in [req, *req.turns])  # +1: a fed-back last token
-        return slots_needed(req.method, len(req.ids), new)
+        return slots_needed(req.method, len(req.ids), fed_tokens(req))
 
     def _keep_last(self) -> dict:
         """logits_to_keep=1 where the model takes it, as generate passes it (same numbers, less work)."""
