@@ -55,6 +55,19 @@ class Request:
     replayed: bool = False  # set at prefill: the prefill came from a record
     min_new: int = 0  # EOS is suppressed until this many tokens (transformers' min_new_tokens)
     keep_logits: bool = False  # keep each step's raw float32 logits (transformers' output_logits)
+    # fed after the prefill as decoded tokens are, before anything is generated (query_aware=false: the
+    # question and answer prefix, on the compressed context); teacher-forced, one token per step
+    forced: list[int] = field(default_factory=list)
+    # the next questions of a conversation on this request's cache (multi_question), each with its own
+    # `forced` (the turn's markup, question and answer prefix), limits, seed and tag; only `ids` is unused.
+    # A turn's answer stays in the cache: its last token, unless an EOS, is fed before the next turn's
+    turns: list[Request] = field(default_factory=list)
+
+
+def fed_tokens(req: Request) -> int:
+    """Tokens a request writes into its cache after the prefill, at most: its forced and generated ones, and
+    each later turn's (with the previous answer's last token, fed back)."""
+    return req.max_new + len(req.forced) + sum(t.max_new + len(t.forced) + 1 for t in req.turns)
 
 
 @dataclass
@@ -76,6 +89,7 @@ class _Row:
     prefill_s: float
     share_s: float = 0.0  # this row's share of the decode steps' wall time
     logits: list[torch.Tensor] | None = None  # kept raw logits, (V,) each
+    forced: deque = field(default_factory=deque)  # forced tokens still to feed (the request's `forced`)
 
 
 class Engine:
@@ -149,11 +163,14 @@ class Engine:
                 row = self._new_row(req, time.perf_counter() - start)
                 self.prefill_s += row.prefill_s
                 self.prefill_tokens += len(req.ids)
-                token = self._choose(row, logits)
-                ended = self._append(row, token)
-                if ended is not None:  # done at its first token: it never needs a row
-                    yield self._done(row, ended, cache.row_stats()[0])
-                    continue
+                if row.forced:  # the prefill's logits predict the first forced token: not a choice
+                    token = row.forced.popleft()
+                else:
+                    token = self._choose(row, logits)
+                    ended = self._append(row, token)
+                    if ended is not None:  # done at its first token: it never needs a row
+                        yield self._done(row, ended, cache.row_stats()[0])
+                        continue
                 if self.pool is None:
                     self.pool = SlotPool.shaped_like(cache, self.n_rows, self.capacity)
                 elif self.pool.capacity < self.capacity:  # by half again at least: few regrowths, recompiles
@@ -179,6 +196,9 @@ class Engine:
         finished = []
         for r in active:
             row = live[r]
+            if row.forced:  # teacher-forced: the next input is the next forced token, whatever was predicted
+                chosen[r] = row.forced.popleft()
+                continue
             if row.generator is not None or row.logits is not None or len(row.tokens) < row.request.min_new:
                 chosen[r] = self._choose(row, logits[r : r + 1])
             ended = self._append(row, chosen[r])
@@ -196,8 +216,21 @@ class Engine:
         kv = self.pool.row_stats() if finished else []  # every row's figures at once (a few host reads)
         for r, ended in finished:
             yield self._done(live[r], ended, kv[r])
+            if live[r].request.turns:  # a conversation: its next question, on the same row's cache
+                live[r] = self._next_turn(live[r])
+                last[r] = live[r].forced.popleft()
+                continue
             live[r] = None
             self.pool.idle_row(r)
+
+    def _next_turn(self, row: _Row) -> _Row:
+        """The row's next question: the last answer token fed back (an EOS is left out: the turn's markup
+        closes the answer), then the turn's own forced tokens."""
+        nxt = row.request.turns[0]
+        nxt.turns = row.request.turns[1:]
+        new = self._new_row(nxt, 0.0)
+        new.forced.extendleft([] if row.tokens[-1] in self.eos else [row.tokens[-1]])
+        return new
 
     # --- one request ----------------------------------------------------------------------------------------
     def _prefill(self, req: Request) -> tuple[KVCache, torch.Tensor]:
@@ -209,7 +242,11 @@ class Engine:
             else None
         )
         cache = KVCache.for_model(
-            req.method, self.model, record=req.record, replay=replay, max_new_tokens=req.max_new
+            req.method,
+            self.model,
+            record=req.record,
+            replay=replay,
+            max_new_tokens=fed_tokens(req),
         )
         ids = torch.tensor([req.ids], device=self.model.device)
         with shared_prefill(self.model):
@@ -239,7 +276,8 @@ class Engine:
             if cfg.top_p is not None and cfg.top_p < 1.0:
                 warpers.append(TopPLogitsWarper(top_p=cfg.top_p, min_tokens_to_keep=1))
         stops = [MultiTokenEOSCriteria(s, self.tokenizer, 0, 1) for s in req.until]
-        return _Row(req, [], stops, generator, warpers, prefill_s, logits=[] if req.keep_logits else None)
+        logits = [] if req.keep_logits else None
+        return _Row(req, [], stops, generator, warpers, prefill_s, logits=logits, forced=deque(req.forced))
 
     def _choose(self, row: _Row, logits: torch.Tensor) -> int:
         """transformers' token choice from logits (1, V): EOS masked before `min_new` tokens, then argmax, or
@@ -271,7 +309,7 @@ class Engine:
     def _done(self, row: _Row, ended: str, kv: dict) -> Done:
         req = row.request
         stats = dict(
-            prompt_tokens=len(req.ids),
+            prompt_tokens=len(req.ids) + len(req.forced),
             max_new_tokens=req.max_new,
             output_tokens=len(row.tokens),
             hit_limit=ended == "limit",
@@ -285,11 +323,17 @@ class Engine:
             kv_kept=kv["kept"],
             kv_evicted_generated=kv["evicted_generated"],
         )
+        if req.forced:  # query_aware=false: the question's tokens were fed as decoded ones (counted as such)
+            stats["question_tokens"] = len(req.forced)
         return Done(req, row.tokens, ended, stats, row.logits)
 
     def _need(self, req: Request) -> int:
-        """Slots a request needs in the pool."""
-        return slots_needed(req.method, len(req.ids), req.max_new)
+        """Slots a request needs in the pool (a conversation: all its turns)."""
+        if req.turns and not all(t.forced for t in [req, *req.turns]):
+            raise ValueError(
+                "a conversation's every turn feeds its question (forced tokens) before it answers"
+            )
+        return slots_needed(req.method, len(req.ids), fed_tokens(req))
 
     def _keep_last(self) -> dict:
         """logits_to_keep=1 where the model takes it, as generate passes it (same numbers, less work)."""

@@ -36,7 +36,7 @@ NOT_GENERATION = (
 
 # Settings added after runs already existed, with the value that does what those runs did: a saved config that
 # lacks one is read with it, so upgrading evalkit never orphans a finished or half-done run folder.
-ADDED_SETTINGS = {"compile": False}
+ADDED_SETTINGS = {"compile": False, "query_aware": True, "multi_question": False}
 
 
 def saved_config(text: str) -> DictConfig:

@@ -32,6 +32,8 @@ from evalkit.request import (
     followup_prompt,
     generation_config,
     new_tokens_cap,
+    next_turn_text,
+    question_tokens,
     request_prompt,
     request_seed,
     stop_strings,
@@ -45,6 +47,12 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
     # (the budgets then decode one after another, still replaying one prefill). Outputs are the same either
     # way.
     batch_budgets = True
+    # query_aware=false: the task module's `question_start(sample)` (set by the runner); each prompt's context
+    # is prefilled and compressed alone, its question then fed on the compressed cache as decoded tokens are
+    question_start = None
+    # multi_question: the questions of one conversation (Sample.meta "conversation") are asked one after
+    # another on one compressed context (`_conversation_jobs`)
+    multi_question = False
 
     def __init__(
         self,
@@ -104,22 +112,29 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         once."""
         from evalkit.engine import Engine
 
-        # another DP replica's request is answered by that replica's journal: "" here (scoring reads journals)
-        results: list[str | None] = [None if parallel.owns(i) else "" for i in range(len(requests))]
-        jobs = [
-            job
+        prompts = [
+            (i, self._prompt(req, key))
             for i, req, key in zip(range(len(requests)), requests, keyed(requests))
-            if parallel.owns(i)
-            for job in self._jobs(i, self._prompt(req, key), results)
         ]
+        # DP: another replica's request is answered by its journal ("" here; scoring reads journals);
+        # a conversation stays whole on the replica that owns its first question
+        groups = conversations(prompts) if self.multi_question else [[ip] for ip in prompts]
+        groups = [g for g in groups if parallel.owns(g[0][0])]
+        owned = {i for g in groups for i, _ in g}
+        results: list[str | None] = [None if i in owned else "" for i in range(len(requests))]
+        if self.multi_question:
+            jobs = [job for group in groups for job in self._conversation_jobs(group, results)]
+        else:
+            jobs = [job for ((i, p),) in groups for job in self._jobs(i, p, results)]
         methods = 1 + len(self.also)
+        todo = sum(1 + len(job.turns) for job in jobs)
         rows = max(
             1, min(self.batch_size * (methods if self.batch_budgets else 1), len(jobs))
         )  # no empty rows
         engine = Engine(self.model, self.tokenizer, self._eos_ids(), rows=rows, compile=self.compile)
         bar = tqdm(
             total=len(requests) * methods,
-            initial=len(requests) * methods - len(jobs),
+            initial=len(requests) * methods - todo,
             desc=self._label(),
             unit="gen",
             disable=disable_tqdm,
@@ -155,6 +170,8 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         if not todo:
             return []
         ids, truncated = self._encode(p)
+        n_question = question_tokens(self.tokenizer, p, ids) if p.question_at is not None else 0
+        ids, forced = ids[: len(ids) - n_question], ids[len(ids) - n_question :]
         windows = [m.window for m, _, _ in todo]
         record = PrefillRecord(window=max(32, *windows)) if len(todo) > 1 and p.followup is None else None
         return [
@@ -169,9 +186,83 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
                 record=record if n == 0 else None,
                 replay=record if n > 0 else None,
                 tag=_Job(i, p, j, primary, truncated),
+                forced=forced,
             )
             for n, (m, j, primary) in enumerate(todo)
         ]
+
+    def _conversation_jobs(self, group: list[tuple[int, Prompt]], results: list) -> list:
+        """Engine requests for one conversation, per budget not finished: its context prefilled once (other
+        budgets replay it), then each question fed and answered in turn on that cache. A resumed conversation
+        feeds its journaled turns back (questions, and answers as the token ids generated) and goes on at its
+        first unanswered question: nothing is asked twice, nothing lost."""
+        from evalkit.kv.prefill import PrefillRecord
+
+        parts = [self._split(p) for _, p in group]  # (context ids, question ids, truncated) per question
+        if any(c != parts[0][0] for c, _, _ in parts):
+            from evalkit.task import DataError
+
+            raise DataError(
+                f"conversation {group[0][1].sample.meta.get('conversation')}: its questions' prompts do not "
+                "share one context (a prompt cut to fit the model differs): run with multi_question=false"
+            )
+        turns = [parts[0][1]] + [self._turn_ids(p) for _, p in group[1:]]
+        methods = [(self.kv_method, self.journal, True), *((m, j, False) for m, j in self.also)]
+        plans = []
+        for m, j, primary in methods:
+            done = [journaled(j, p) for _, p in group]
+            for (i, _), d in zip(group, done):
+                if primary and d is not None:
+                    results[i] = d["text"]
+            first = next((k for k, d in enumerate(done) if d is None), None)
+            if first is not None:
+                plans.append((m, j, primary, done, first))
+        record = PrefillRecord(window=max(32, *(m.window for m, *_ in plans))) if len(plans) > 1 else None
+        jobs = []
+        for n, (m, j, primary, done, first) in enumerate(plans):
+            asked = [t for k in range(first) for t in turns[k] + self._answered(done[k])]
+            reqs = [
+                self._turn_request(*group[k], turns[k], m, j, primary, parts[k][2], k)
+                for k in range(first, len(group))
+            ]
+            head = reqs[0]
+            head.ids, head.forced, head.turns = parts[0][0], asked + head.forced, reqs[1:]
+            head.record, head.replay = (record, None) if n == 0 else (None, record)
+            jobs.append(head)
+        return jobs
+
+    def _split(self, p: Prompt) -> tuple[list[int], list[int], bool]:
+        """(context ids, question ids, truncated) of a prompt: its fitted ids split at the question."""
+        ids, truncated = self._encode(p)
+        n = question_tokens(self.tokenizer, p, ids)
+        return ids[: len(ids) - n], ids[len(ids) - n :], truncated
+
+    def _turn_ids(self, p: Prompt) -> list[int]:
+        """The tokens asking a later question of a conversation: its chat turn after the previous answer."""
+        question = p.sample.prompt[self.question_start(p.sample) :]
+        text = next_turn_text(self.tokenizer, p.sample, question)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _answered(self, record: dict) -> list[int]:
+        """A journaled answer as it stands in the cache when the next question comes: its generated ids,
+        a final EOS left out (the next turn's markup closes the answer)."""
+        ids = list(record["stats"]["answer_ids"])
+        return ids[:-1] if ids and ids[-1] in self._eos_ids() else ids
+
+    def _turn_request(self, i: int, p: Prompt, forced, method, journal, primary, truncated, turn: int):
+        from evalkit.engine import Request
+
+        return Request(
+            p.key,
+            [],
+            p.max_new,
+            method,
+            self._gen_config(p),
+            request_seed(self.seed, p.key),
+            self._until(p),
+            tag=_Job(i, p, journal, primary, truncated, turn=turn),
+            forced=list(forced),
+        )
 
     def _followup(self, done):
         """The second call of a two-call protocol (LongBench CoT): no document, so a full cache at every
@@ -213,6 +304,9 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
             last, self.tokenizer.decode(done.tokens, skip_special_tokens=True), self._until(last)
         )
         stats = {**done.stats, "truncated": job.truncated}
+        if job.turn is not None:  # a conversation's turn: its answer ids are fed back when a run resumes
+            conversation = job.prompt.sample.meta.get("conversation")
+            stats |= {"conversation": conversation, "turn": job.turn, "answer_ids": list(done.tokens)}
         if job.first is not None:
             first, first_stats, _, second_truncated = job.first
             stats = {
@@ -236,7 +330,7 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         return f"{self.kv_method.name} {','.join(str(b) for b in budgets if b is not None)}".strip()
 
     def _prompt(self, req, key: str) -> Prompt:
-        return request_prompt(req, key, self.tokenizer, self.max_gen_toks, self._cap)
+        return request_prompt(req, key, self.tokenizer, self.max_gen_toks, self._cap, self.question_start)
 
     def _cap(self, n: int) -> int:
         return new_tokens_cap(self.spec, n)
@@ -250,6 +344,17 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         return sorted({*eos, self.tokenizer.eos_token_id} - {None})
 
 
+def conversations(prompts: list[tuple[int, Prompt]]) -> list[list[tuple[int, Prompt]]]:
+    """The requests grouped into conversations, each in turn order: the questions of one Sample.meta
+    "conversation" and one repeat (a sample without one is a conversation of one question)."""
+    groups: dict[tuple, list] = {}
+    for i, p in prompts:
+        meta = p.sample.meta if p.sample is not None else {}
+        name = meta.get("conversation", p.key)
+        groups.setdefault((name, p.key.rsplit("/", 1)[1]), []).append((meta.get("turn", 0), i, p))
+    return [[(i, p) for _, i, p in sorted(g, key=lambda t: t[0])] for g in groups.values()]
+
+
 @dataclass
 class _Job:
     """What the LM needs back from the engine about one request."""
@@ -260,3 +365,4 @@ class _Job:
     primary: bool  # the LM's own method (its text answers lm-eval), not one of `also`
     truncated: bool
     first: tuple | None = None  # a follow-up's (first output, first stats, its Prompt, its prompt cut)
+    turn: int | None = None  # multi_question: the question's turn in its conversation

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from transformers import GenerationConfig
 
-from evalkit.sample import Sample, render_sample
+from evalkit.sample import TEMPLATE_KEY, Sample, render_sample
 
 DOC_FIELDS = {"id", "task", "prompt", "answers", "max_new_tokens"}
 
@@ -58,6 +58,7 @@ class Prompt:
     sample: Sample | None = None
     # "module:function" making a second call from the first output (LongBench CoT)
     followup: str | None = None
+    question_at: int | None = None  # query_aware=false: where the question starts in `text` (a char offset)
 
 
 def request_seed(seed: int, key: str) -> int:
@@ -75,10 +76,10 @@ def new_tokens_cap(spec, n: int) -> int:
     return min(n, spec.max_new_tokens) if spec.max_new_tokens else n
 
 
-def request_prompt(req, key: str, tokenizer, limit: int, cap) -> Prompt:
+def request_prompt(req, key: str, tokenizer, limit: int, cap, question_start=None) -> Prompt:
     """The prompt of one request: evalkit docs are rendered from their Sample (chat template, prefill) and
     keep their own `max_new_tokens` within `limit`; a plain lm-eval task's context is used as lm-eval rendered
-    it."""
+    it. `question_start` (query_aware=false): the task module's, saying where a sample's question starts."""
     context, gen = req.args[0], dict(req.args[1])
     followup = gen.pop("evalkit_followup", None)
     limit = cap(int(gen.get("max_gen_toks", limit)))
@@ -86,9 +87,60 @@ def request_prompt(req, key: str, tokenizer, limit: int, cap) -> Prompt:
     if doc is None:  # a plain lm-eval task: lm-eval rendered the context
         return Prompt(key, context, limit, gen, followup=followup)
     sample = Sample.from_doc(doc)
-    return Prompt(
-        key, sample_prompt(tokenizer, sample), min(sample.max_new_tokens, limit), gen, sample, followup
-    )
+    text = sample_prompt(tokenizer, sample)
+    at = None if question_start is None else question_offset(text, sample, question_start(sample))
+    return Prompt(key, text, min(sample.max_new_tokens, limit), gen, sample, followup, at)
+
+
+def question_offset(text: str, sample: Sample, start: int) -> int:
+    """Where the question starts in the rendered prompt `text`, given where it starts in the user message
+    (`start`, the task's `question_start`): the user message sits verbatim inside the rendered text."""
+    at = text.find(sample.prompt)
+    if at < 0 or not 0 < start < len(sample.prompt):
+        raise ValueError(
+            f"{sample.id}: cannot split the prompt at its question (query_aware=false): the chat template "
+            "alters the user message, or the question does not start inside it"
+        )
+    return at + start
+
+
+ANSWER_MARK = "EVALKIT_ANSWER_SLOT_7f3a"  # stands for an answer while the chat template renders a next turn
+
+
+def next_turn_text(tokenizer, sample: Sample, question: str) -> str:
+    """multi_question: the text that asks `question` as the conversation's next turn, right after an answer:
+    the chat template's end of the assistant turn, a user turn holding the question, the assistant turn's
+    start, then the sample's answer prefix (the template renders a conversation; its text after the answer
+    is taken)."""
+    if sample.rendered or sample.meta.get(TEMPLATE_KEY) or not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"{sample.id}: multi_question asks the next question as a chat turn, so it needs the tokenizer's "
+            "chat template (a task's own single-turn template, a raw prompt or a base model has no next turn)"
+        )
+    messages = [{"role": "system", "content": sample.system}] if sample.system else []
+    messages += [
+        {"role": "user", "content": "context"},
+        {"role": "assistant", "content": ANSWER_MARK},
+        {"role": "user", "content": question},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text[text.index(ANSWER_MARK) + len(ANSWER_MARK) :] + sample.answer_prefix
+
+
+def question_tokens(tokenizer, p: Prompt, ids: list[int]) -> int:
+    """How many of the fitted prompt's last tokens `ids` are the question and answer prefix (fed on the
+    compressed context as decoded tokens are); the rest is the context, prefilled and compressed.
+
+    Exact by construction: the whole prompt is tokenized once, as query-aware runs tokenize it, and its ids
+    are split at the first token that does not end before the question's first character (a token that
+    straddles the boundary goes to the question), so context + question == today's ids, token for token. A
+    prompt cut in the middle keeps its tail, where the question is; at least one token is prefilled."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("query_aware=false splits prompts by token offsets: it needs a fast tokenizer")
+    enc = tokenizer(p.text, add_special_tokens=p.sample is None, return_offsets_mapping=True)
+    ends = [end for _, end in enc["offset_mapping"]]
+    context = next((i for i, end in enumerate(ends) if end > p.question_at), len(ends))
+    return min(len(ends) - context, len(ids) - 1)
 
 
 def followup_prompt(p: Prompt, first: str, tokenizer, cap) -> Prompt:

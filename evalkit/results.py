@@ -41,7 +41,7 @@ def budget_tag(method_cfg: DictConfig, defaults: DictConfig) -> str:
 # generated (batch_size and compile leave outputs equal, results_dir is where).
 NAMING_KEYS = {"name", "module", "lm_eval_task", "setup", "headline"}
 SERVING_KEYS = {"base_url", "num_concurrent", "max_retries", "timeout_s"}
-RUN_KEYS = ("limit", "seed")
+RUN_KEYS = ("limit", "seed", "query_aware", "multi_question")
 _SAFE = re.compile(r"[A-Za-z0-9_.+]+")
 
 

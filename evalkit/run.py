@@ -96,6 +96,7 @@ def plan(cfg: DictConfig) -> Plan:
         if not _int(getattr(task_module, attr, None)):
             raise ConfigError(f"task module {cfg.task.module} must define {attr} (an int, {what})")
     check_load_keys(cfg, task_module)
+    check_question_split(cfg, task_module)
     spec = model_spec(cfg.model)
     spec.check(method_name)  # a served model: method full, a valid address, a tokenizer
     return Plan(cfg, method, spec, task_module, out)
@@ -115,6 +116,8 @@ def check_run_settings(cfg: DictConfig) -> None:
         ("limit", cfg.get("limit"), lambda v: v is None or _int(v) and v >= 1, "null or a positive integer"),
         ("seed", cfg.get("seed"), _int, "an integer"),
         ("compile", cfg.get("compile"), lambda v: isinstance(v, bool), "true or false"),
+        ("query_aware", cfg.get("query_aware", True), lambda v: isinstance(v, bool), "true or false"),
+        ("multi_question", cfg.get("multi_question", False), lambda v: isinstance(v, bool), "true or false"),
         (
             "model.max_new_tokens",
             cfg.model.get("max_new_tokens"),
@@ -133,7 +136,50 @@ def check_run_settings(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be {rule}, got {value!r}")
 
 
-RUNNER_LOAD_KEYS = {"tokenizer", "model_context", "prompt_format"}  # what the runner itself passes to `load`
+def check_question_split(cfg: DictConfig, task_module) -> None:
+    """query_aware=false needs a task whose prompt has a context before its question, and that says where the
+    question starts (`question_start`); a task without one is refused with its own reason. multi_question
+    needs query_aware=false and the tokenizer's chat template (its next questions are chat turns)."""
+    if cfg.get("multi_question", False):
+        if cfg.get("query_aware", True):
+            raise ConfigError(
+                "multi_question=true asks several questions on one context compressed before any of them: "
+                "it needs query_aware=false"
+            )
+        if cfg.model.get("prompt_format") or cfg.model.get("base_url"):
+            raise ConfigError(
+                f"multi_question=true: model {cfg.model.name} "
+                + (
+                    "is served (a served cache is not held between requests): run it in process"
+                    if cfg.model.get("base_url")
+                    else f"renders {cfg.task.name} with its own single-turn template "
+                    f"(model.prompt_format={cfg.model.prompt_format}): set model.prompt_format=null"
+                )
+            )
+    if cfg.get("query_aware", True):
+        return
+    if getattr(task_module, "question_start", None) is None:
+        why = getattr(task_module, "NO_QUESTION_SPLIT", "its module does not say where the question starts")
+        raise ConfigError(
+            f"query_aware=false: task {cfg.task.name} cannot compress its context before the question: "
+            f"{why}. Run it with query_aware=true (the default)"
+        )
+
+
+def ask_later(lm, p: Plan) -> None:
+    """query_aware=false: the in-process LM splits each prompt at the task's `question_start`. A served model
+    keeps a full cache, which is query-agnostic by nature: its prompts go as they are (the same outputs)."""
+    if not p.cfg.get("query_aware", True) and hasattr(lm, "question_start"):
+        lm.question_start = p.task_module.question_start
+        lm.multi_question = bool(p.cfg.get("multi_question", False))
+
+
+RUNNER_LOAD_KEYS = {
+    "tokenizer",
+    "model_context",
+    "prompt_format",
+    "multi_question",
+}  # what the runner itself passes to `load`
 
 
 def check_load_keys(cfg: DictConfig, task_module) -> None:
@@ -191,6 +237,8 @@ def load_data(p: Plan, tokenizer_source: str, context: int):
     kwargs["model_context"] = context
     if getattr(p.spec, "prompt_format", None):  # a task with its own template for this model family uses it
         kwargs["prompt_format"] = p.spec.prompt_format
+    if p.cfg.get("multi_question", False):  # one sample per question, grouped into conversations
+        kwargs["multi_question"] = True
     try:
         loaded = load_task(p.cfg.task.name, p.task_module.load, **kwargs)
     except (LookupError, ValueError, OSError, RuntimeError) as e:  # bad data or data options
@@ -245,6 +293,7 @@ def generate(plans: list[Plan], load_kwargs: dict, context: int) -> None:
     lm = p.spec.make_lm(
         plans, context, lambda spec: get_model(spec)
     )  # get_model looked up now: tests patch it
+    ask_later(lm, p)
     for q in plans if parallel.LAYOUT.writer else ():
         atomic_write(q.out / "config.yaml", config_yaml(q.cfg))
     lm_eval_generate(p, lm, load_kwargs)

@@ -33,6 +33,10 @@ VERSION = 1  # bump when the prompt or data handling changes (the generations ch
 # bump when extraction or judging changes (2: math-verify, `\\boxed N`): finished runs re-score
 SCORER_VERSION = 3  # 3: lighteval's whole-text reading reported beside the headline
 TASK = "aime24"
+# query_aware=false is refused (the runner names this reason): it needs a context before the question
+NO_QUESTION_SPLIT = (
+    "the problem statement is the whole prompt: there is no context to compress before the question"
+)
 REPO = "HuggingFaceH4/aime_2024"
 # Not checked against the hub from here (unreachable): the revision several public pins use for this file.
 REVISION = "2fe88a2f1091d5048c0f36abc874fb997b3dd99a"

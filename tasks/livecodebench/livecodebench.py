@@ -36,6 +36,11 @@ from evalkit.task import Loaded, data_file, keep_all, lm_eval_hooks, subsample, 
 from tasks.livecodebench.grade import OUTCOMES, Cases, configure, extract_code, grade_problems, pass_at_k
 
 TASK = "livecodebench"
+# query_aware=false is refused (the runner names this reason): it needs a context before the question
+NO_QUESTION_SPLIT = (
+    "the problem statement (with its examples and starter code) is the question itself: there is no "
+    "separable context"
+)
 VERSION = 1  # what is generated: bump when this task's prompt or data handling changes
 SCORER_VERSION = 4  # how it is graded (2: upstream's stdin patches, guard and argv; whole-program memory cap;
 # 3: functional answers judged by upstream's `==`; 4: that `==` outside the program's process, so answers of

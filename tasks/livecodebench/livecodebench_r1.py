@@ -18,6 +18,7 @@ from tasks.livecodebench import livecodebench as lcb
 from tasks.livecodebench.grade import configure
 
 TASK = "livecodebench_r1"
+NO_QUESTION_SPLIT = lcb.NO_QUESTION_SPLIT  # query_aware=false is refused, as the generic task
 # 2: the DeepSeekR1 raw prompt (was the generic chat style) and the window ending 2025-01-31 (was 02-01)
 VERSION = 2
 SCORER_VERSION = lcb.SCORER_VERSION  # the generic task's grading

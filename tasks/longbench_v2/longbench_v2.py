@@ -70,6 +70,8 @@ PROMPT_COT_ANS = (
 )
 
 PROMPTS = {"0shot": PROMPT_0SHOT, "cot": PROMPT_COT}
+DOCUMENT_END = "</text>\n\n"
+QUESTION_MARK = DOCUMENT_END + QUESTION[: QUESTION.index("$Q$")]  # where query_aware=false splits
 
 
 def fill(template: str, row: dict, cot: str | None = None) -> str:
@@ -143,7 +145,15 @@ def _prompted(sample: Sample, rows: list, mode: str, tokenizer, max_len: int) ->
 
 
 def load(
-    source="sample", n=None, seed=0, tokenizer=None, max_len=MAX_LEN, mode="0shot", model_context=None, **_
+    source="sample",
+    n=None,
+    seed=0,
+    tokenizer=None,
+    max_len=MAX_LEN,
+    mode="0shot",
+    model_context=None,
+    multi_question=False,
+    **_,
 ) -> Loaded:
     """LongBench-v2 samples. The runner passes the evaluated model's tokenizer and context; max_len is
     capped at model context - generation tokens - TEMPLATE_MARGIN (evalkit choice: upstream's 120000 for
@@ -159,6 +169,13 @@ def load(
     samples, skipped = unique((_parse(row, i) for i, row in enumerate(rows)), "_id")
     # prompts are filled and tokenised only for the samples kept
     samples = [_prompted(s, rows, mode, tokenizer, max_len) for s in subsample(samples, n, seed)]
+    if multi_question:
+        if mode == "cot":
+            raise ValueError(
+                "multi_question asks each question in one call on the shared document; mode=cot makes a "
+                "second call without it: use mode=0shot"
+            )
+        samples = conversations(samples)
     stats = {"truncated": sum(s.meta["truncated"] for s in samples), "mode": mode}
     stats["max_len"] = max_len if tokenizer is not None else None
     return Loaded(samples, tag, digest, skipped, stats)
@@ -172,6 +189,29 @@ def cot_followup(sample: Sample, first_output: str) -> Sample:
     cot = first_output.strip()
     prompt = fill(PROMPT_COT_ANS, row, cot=cot)
     return replace(sample, prompt=prompt, max_new_tokens=ANSWER_TOKENS, meta={**sample.meta, "cot": cot})
+
+
+def question_start(sample: Sample) -> int:
+    """query_aware=false: the question block starts right after the document (`</text>\n\n` closes it, on
+    the context side); the question, its choices and the answer-format line (0shot) or "Let's think step by
+    step:" (cot) are the question. The last match counts: a document may quote the question block."""
+    at = sample.prompt.rfind(QUESTION_MARK)
+    if at < 0:
+        raise ValueError(f"{sample.id}: no question block found after the document")
+    return at + len(DOCUMENT_END)
+
+
+def conversations(samples: list[Sample]) -> list[Sample]:
+    """multi_question: the items whose prompts share one context (the same document, the same cut) become
+    one conversation (`conversation` = its first item's id), asked in file order; each item keeps its id."""
+    groups: dict[str, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.prompt[: question_start(s)], []).append(s)
+    return [
+        replace(s, meta={**s.meta, "conversation": group[0].id, "turn": turn})
+        for group in groups.values()
+        for turn, s in enumerate(group)
+    ]
 
 
 def score(predictions: list[str], sample: Sample) -> dict[str, float]:

@@ -14,13 +14,14 @@ and QA tasks read local files in upstream's format (`essay_path`, `squad_path`, 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from evalkit.sample import PROMPT_SLOT, Sample
 from evalkit.task import Loaded, keep_all, lm_eval_hooks, sha256_rows
 from tasks.ruler import frozen, generate
-from tasks.ruler.constants import MODEL_TEMPLATES, NO_DATA_TASKS, TASKS
+from tasks.ruler.constants import MODEL_TEMPLATES, NIAH_PREFIX, NIAH_TEMPLATE, NO_DATA_TASKS, TASKS
 from tasks.ruler.data import RulerData, resolve
+from tasks.ruler.generate import singular
 
 VERSION = 1  # bump when the prompts or data handling change (generate.GENERATOR_VERSION keys frozen files)
 SCORER_VERSION = 1  # bump when extraction or scoring changes: finished runs re-score from their journals
@@ -66,6 +67,7 @@ def load(
     cache_dir: str | None = None,
     model_context: int | None = None,
     prompt_format: str | None = None,
+    multi_question: bool = False,
     **_,
 ) -> Loaded:
     """Generate (or reuse the frozen) `n` samples per task and length; ordered by length, then task.
@@ -102,12 +104,82 @@ def load(
                 got = generate.generate_task(task, length, n, seed, tokenizer, data, template)
                 frozen.write(path, got)
             samples += got
+    if multi_question:  # the runner's multi_question: each niah needle's key asked in turn
+        samples = [q for s in samples for q in questions(s)]
     src = f"generated:ruler@{generate.GENERATOR_VERSION}" + "".join(
         f";{k}={v}" for k, v in sorted(used.items())
     )
     stats = {"frozen_reused": reused, "frozen_dir": str(root), "tasks": names, "lengths": lengths}
     stats["prompt_format"] = prompt_format or "chat_template"
     return Loaded(samples, src, sha256_rows([asdict(s) for s in samples]), stats=stats)
+
+
+# --- query_aware=false: where the question starts (docs/query-agnostic.md) -------------------------------
+# Everything before the line that asks (the instructions, the haystack, QA's repeated instruction) is the
+# context, compressed before the question exists; that line, the model template's turn end and the answer
+# prefix are the question. The last match counts (vt's and cwe's in-context example asks its own question
+# earlier in the prompt).
+QUESTION_MARKS = {
+    "niah": ("\nWhat are all the special magic ", "\nWhat is the special magic "),
+    "vt": ("\nQuestion: ",),
+    "cwe": ("\nQuestion: ",),
+    "fwe": ("\nQuestion: ",),
+    "qa": ("\n\nQuestion: ",),
+}
+
+
+def question_start(sample: Sample) -> int:
+    """The offset in the user message (`sample.prompt`) of the question's first character (the line that
+    asks, after its newline)."""
+    marks = QUESTION_MARKS[TASKS[sample.meta["task"]].generator]
+    at = max(sample.prompt.rfind(m) for m in marks)
+    if at < 0:
+        raise ValueError(f"{sample.id}: no question found in the prompt (looked for {marks})")
+    mark = next(m for m in marks if sample.prompt.startswith(m, at))
+    return at + len(mark) - len(mark.lstrip("\n"))
+
+
+# --- multi_question: the needles of one haystack asked one after another ----------------------------------
+MAX_QUESTIONS = 4  # questions per haystack (niah_multikey_2/3's haystack is hundreds of needle lines)
+NEEDLE = re.compile(r"One of the special magic (\w+) for ([\w-]+) is: ([\w-]+)\.")
+ASKED = re.compile(r" for (.+) mentioned in the provided text\?$")
+
+
+def questions(sample: Sample) -> list[Sample]:
+    """One sample per question on the sample's context (its `conversation`, in `turn` order): for niah, each
+    needle key of the haystack asked alone (the queried keys first, then the others in text order, at most
+    MAX_QUESTIONS), in upstream's own question and answer prefix (singular for one value); any other task
+    asks its one question. A question identical to the sample's own keeps the sample's id."""
+    meta = {**sample.meta, "conversation": sample.id}
+    if TASKS[sample.meta["task"]].generator != "niah":
+        return [replace(sample, meta={**meta, "turn": 0})]
+    at = question_start(sample)
+    context, values = sample.prompt[:at], {}
+    found = NEEDLE.findall(context)  # [(kind, key, value)]: every needle of the haystack, in text order
+    for _, key, value in found:
+        values.setdefault(key, []).append(value)
+    kind = found[0][0]  # "numbers", "uuids" or "words": one kind per haystack
+    asked = re.split(r", and |, ", ASKED.search(sample.prompt[at:]).group(1))
+    keys = list(dict.fromkeys(asked + list(values)))[:MAX_QUESTIONS]
+    out = []
+    for turn, key in enumerate(keys):
+        line, prefix, kinds = NIAH_TEMPLATE.split("{context}\n")[1], NIAH_PREFIX, kind
+        if len(values[key]) == 1:
+            line, prefix, kinds = singular(line), singular(prefix), kind[:-1]
+        prompt = context + line.format(type_needle_v=kinds, query=key)
+        prefix = prefix.format(type_needle_v=kinds, query=key)
+        same = prompt == sample.prompt and prefix == sample.answer_prefix
+        out.append(
+            replace(
+                sample,
+                id=sample.id if same else f"{sample.id}/q{turn}",
+                prompt=prompt,
+                answer_prefix=prefix,
+                answers=values[key],
+                meta={**meta, "turn": turn},
+            )
+        )
+    return out
 
 
 # --- scoring (upstream scripts/eval/evaluate.py postprocess + scripts/eval/synthetic/constants.py)

@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
         ),
         (
             ["batchsize=4"],
-            "unknown setting 'batchsize'; run settings: batch_size, compile, limit, parallel, results_dir, "
-            "seed; config groups: model, task, method, sweep",
+            "unknown setting 'batchsize'; run settings: batch_size, compile, limit, multi_question, "
+            "parallel, query_aware, results_dir, seed; config groups: model, task, method, sweep",
         ),
     ],
 )

@@ -721,7 +721,7 @@ def test_runner_and_lm_eval_cli_render_the_same_bytes(llama_tok, tmp_path, monke
     from_runner = ruler.custom_dataset(**kwargs)["test"]
     cli = dict(model="llama31_8b_instruct", tokenizer=str(tmp_path / "tok"), n=1, lengths=[1024], tasks=tasks)
     from_cli = ruler.custom_dataset(**cli)["test"]
-    fake_lm = SimpleNamespace(tokenizer=llama_tok, max_gen_toks=256, _cap=lambda n: n)
+    fake_lm = SimpleNamespace(tokenizer=llama_tok, max_gen_toks=256, _cap=lambda n: n, question_start=None)
 
     def texts(docs):
         return [EvalkitLM._prompt(fake_lm, SimpleNamespace(args=("", {}), doc=d), "k").text for d in docs]
