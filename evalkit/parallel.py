@@ -403,7 +403,8 @@ def provenance() -> dict:
     """What metrics.json records of the layout (`parallel`); it is not part of the result's identity."""
     kv_bytes = KV_BYTES
     lay = LAYOUT
-    devices = [f"cuda:{i}" for i in range(lay.tp)] if lay.backend == "nccl" else ["cpu"] * lay.world
+    local = LOCAL_RANKS or range(lay.world)  # each rank's GPU on its own node, rank by rank
+    devices = [f"cuda:{i}" for i in local] if lay.backend == "nccl" else ["cpu"] * lay.world
     out = {
         "tp": lay.tp,
         "dp": lay.dp,
@@ -419,6 +420,7 @@ def provenance() -> dict:
 
 KV_PEAK = 0  # the most KV bytes this rank's slot pool held (`note_kv`)
 KV_BYTES: list[int] | None = None  # every rank's KV_PEAK, gathered after generation (`gather_kv`)
+LOCAL_RANKS: list[int] | None = None  # every rank's local rank (its GPU under nccl), gathered with KV_BYTES
 
 
 def note_kv(pool) -> None:
@@ -437,10 +439,11 @@ def note_kv(pool) -> None:
 
 
 def gather_kv() -> None:
-    """Every rank's KV_PEAK into KV_BYTES (a collective: every rank calls it once generation is over); the
-    next run of a sweep in this process starts from zero."""
-    global KV_BYTES, KV_PEAK
+    """Every rank's KV_PEAK into KV_BYTES, and its local rank into LOCAL_RANKS (a collective: every rank
+    calls it once generation is over); the next run of a sweep in this process starts from zero."""
+    global KV_BYTES, KV_PEAK, LOCAL_RANKS
     KV_BYTES, KV_PEAK = gather_int(KV_PEAK), 0
+    LOCAL_RANKS = gather_int(LAYOUT.local_rank)
 
 
 def gather_int(value: int) -> list[int]:

@@ -166,3 +166,13 @@ def test_the_next_command_after_a_parallel_run_starts_as_many_processes(tmp_path
     plan.method.name = "full"
     summary.next_step([plan])
     assert "(make eval METHOD=snapstream BUDGET=256 NPROC=4 ARGS=" in capsys.readouterr().out
+
+
+def test_the_layout_record_names_every_ranks_gpu(monkeypatch):
+    """Two nodes of 2 GPUs, TP=2 x DP=2 under nccl: ranks 0-3 sit on cuda:0, cuda:1 of each node (the local
+    ranks gathered after generation), not on cuda:0..tp-1."""
+    monkeypatch.setattr(parallel, "LAYOUT", parallel.Layout(tp=2, dp=2, backend="nccl"))
+    monkeypatch.setattr(parallel, "LOCAL_RANKS", [0, 1, 0, 1])
+    assert parallel.provenance()["devices"] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    monkeypatch.setattr(parallel, "LAYOUT", parallel.Layout(dp=2, backend="gloo"))
+    assert parallel.provenance()["devices"] == ["cpu", "cpu"]
