@@ -134,6 +134,26 @@ def test_tp2_by_dp2_writes_what_one_process_does(tmp_path):
 
 
 @pytest.mark.slow
+def test_tp2_by_dp2_agrees_mla_kept_sets_within_each_replica(tmp_path):
+    """tiny DeepSeek-V3 (MLA replicated over TP: SnapKV's kept sets broadcast from each replica's TP root over
+    that replica's group), replicas with unequal shares: the one-process results."""
+    run = [o if not o.startswith("model=") else "model=tiny_deepseek" for o in RUN]
+    args = ["method=snapkv", "method.budget=64", "limit=3"]
+    layout = ["parallel.tp_size=2", "parallel.dp_size=2", f"results_dir={tmp_path / 'tpdp'}"]
+    cmd = [*TORCHRUN, "4", "-m", "evalkit", *run, *args, *layout]
+    env = {**ENV, "EVALKIT_DIST_TIMEOUT_S": "60"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    evalkit.task._MEMO.clear()
+    runner.run(compose(overrides=[*run, *args, f"results_dir={tmp_path / 'one'}"]))
+    folder, ref = (planned_folder(tmp_path / d, *run, *args) for d in ("tpdp", "one"))
+    assert predictions(folder) == predictions(ref) and headline(folder) == headline(ref)
+    kv = json.loads((folder / "metrics.json").read_text())["parallel"]["kv_bytes_allocated_per_rank"]
+    one = json.loads((ref / "metrics.json").read_text())["parallel"]["kv_bytes_allocated_per_rank"]
+    assert kv == one * 4  # the latent cache whole on every rank
+
+
+@pytest.mark.slow
 def test_a_killed_dp_rank_ends_the_run_and_the_rerun_resumes(tmp_path):
     """Rank 1 SIGKILLed after its first journal append: torchrun ends the run naming rank 1; the same command
     resumes (rank 1's shard is kept) to the one-process result, each request journaled once."""
