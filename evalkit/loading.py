@@ -60,13 +60,14 @@ def _from_pretrained(spec: ModelSpec, source: str, distributed_config=None):
         )
     dtype = getattr(torch, spec.dtype)
     if distributed_config is not None:  # TP: transformers places each shard; no device_map with it
-        return AutoModelForCausalLM.from_pretrained(
-            source,
-            revision=None if spec.random is not None else spec.revision,
-            dtype=dtype,
-            distributed_config=distributed_config,
-            attn_implementation="sdpa",
-        )
+        with parallel.replica_meshes():  # under DP too, each replica's TP group is its own mesh
+            return AutoModelForCausalLM.from_pretrained(
+                source,
+                revision=None if spec.random is not None else spec.revision,
+                dtype=dtype,
+                distributed_config=distributed_config,
+                attn_implementation="sdpa",
+            )
     return AutoModelForCausalLM.from_pretrained(
         source,
         revision=spec.revision,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -117,12 +118,6 @@ def layout(cfg, env=os.environ) -> Layout:
             f"parallel.tp_size={tp} x parallel.dp_size={dp} = {tp * dp} processes, but {world} were started "
             f"(NPROC={world}): set NPROC={tp * dp}, or tp_size x dp_size = {world}"
         )
-    if tp > 1 and dp > 1:
-        raise ConfigError(
-            f"parallel.tp_size={tp} with dp_size={dp}: tensor and data parallel in one run is not supported "
-            "yet (transformers' DistributedConfig builds one mesh over every process). Run dp_size=1 with "
-            "tp_size=NPROC, or tp_size=1 with dp_size=NPROC"
-        )
     if backend not in (None, "nccl", "gloo"):
         raise ConfigError(f"parallel.backend must be null, nccl or gloo, got {backend!r}")
     if world > 1:
@@ -143,18 +138,27 @@ def init(lay: Layout) -> Layout:
         timeout = timedelta(seconds=float(os.environ.get("EVALKIT_DIST_TIMEOUT_S", 600)))
         dist.init_process_group(lay.backend, rank=lay.rank, world_size=lay.world, timeout=timeout)
         atexit.register(_leave)  # no barrier at exit: a rank that failed must not hold the others
-    _TP_GROUP = None  # tp == world or dp == world: the world group is every TP group there is
+    _TP_GROUP = tp_groups(lay)
     return lay
+
+
+def tp_groups(lay: Layout):
+    """This rank's TP group when there are several (tp > 1 and dp > 1), else None (the world is the one TP
+    group, or there is no TP). Every rank creates every group in the same order: `new_group` is collective."""
+    if lay.tp == 1 or lay.dp == 1:
+        return None
+    groups = [dist.new_group(list(range(d * lay.tp, (d + 1) * lay.tp))) for d in range(lay.dp)]
+    return groups[lay.dp_rank]
 
 
 def teardown() -> None:
     """Leave the process group once the run is over on every rank (tests; `python -m evalkit` leaves at
     exit)."""
-    global LAYOUT, REPLICATED_ATTENTION
+    global LAYOUT, REPLICATED_ATTENTION, _TP_GROUP
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    LAYOUT, REPLICATED_ATTENTION = Layout(), False
+    LAYOUT, REPLICATED_ATTENTION, _TP_GROUP = Layout(), False, None
 
 
 def _leave() -> None:
@@ -231,6 +235,37 @@ def distributed_config():
     from transformers.distributed import DistributedConfig
 
     return DistributedConfig(tp_size=LAYOUT.tp)
+
+
+@contextmanager
+def replica_meshes():
+    """transformers' TP loading with one TP group per DP replica. `DistributedConfig(tp_size=tp)` alone builds
+    a mesh of tp ranks and refuses any other world size; `dp_replicate_size=dp` would build the right mesh but
+    also wraps the model in FSDP. Here, for the length of one `from_pretrained`, the mesh it builds is
+    (pp=1, dp_replicate=dp, fsdp=1, tp) over every rank, so the model's "tp" sub-mesh (the only one its TP
+    plan shards over and communicates on) is this replica's `tp` consecutive ranks; the config keeps
+    dp_size 1, so no FSDP. Nothing changes for dp = 1."""
+    if LAYOUT.tp == 1 or LAYOUT.dp == 1:
+        yield
+        return
+    from transformers.distributed import mixin
+
+    build = mixin.initialize_distributed_mesh
+
+    def per_replica(config):
+        from transformers.distributed.utils import TransformersDeviceMesh, _bind_local_device
+
+        kind = torch._C._get_accelerator().type
+        shape, ep = (1, LAYOUT.dp, 1, config.tp_size), (1, LAYOUT.dp, config.efsdp_size, config.ep_size)
+        dense = dist.init_device_mesh(kind, shape, mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+        expert = dist.init_device_mesh(kind, ep, mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+        return _bind_local_device(kind, LAYOUT.local_rank), TransformersDeviceMesh(dense, expert)
+
+    mixin.initialize_distributed_mesh = per_replica
+    try:
+        yield
+    finally:
+        mixin.initialize_distributed_mesh = build
 
 
 def replicated_attention(model) -> bool:
@@ -368,7 +403,8 @@ def provenance() -> dict:
     """What metrics.json records of the layout (`parallel`); it is not part of the result's identity."""
     kv_bytes = KV_BYTES
     lay = LAYOUT
-    devices = [f"cuda:{i}" for i in range(lay.tp)] if lay.backend == "nccl" else ["cpu"] * lay.world
+    local = LOCAL_RANKS or range(lay.world)  # each rank's GPU on its own node, rank by rank
+    devices = [f"cuda:{i}" for i in local] if lay.backend == "nccl" else ["cpu"] * lay.world
     out = {
         "tp": lay.tp,
         "dp": lay.dp,
@@ -377,16 +413,20 @@ def provenance() -> dict:
         "devices": devices,
     }
     if kv_bytes is not None:
-        out["kv_bytes_per_rank"] = kv_bytes  # the peak of each rank's slot pool
+        # the peak tensor bytes of each rank's slot pool: rows x allocated slots, not one request's kept KV
+        out["kv_bytes_allocated_per_rank"] = kv_bytes
     return out
 
 
 KV_PEAK = 0  # the most KV bytes this rank's slot pool held (`note_kv`)
 KV_BYTES: list[int] | None = None  # every rank's KV_PEAK, gathered after generation (`gather_kv`)
+LOCAL_RANKS: list[int] | None = None  # every rank's local rank (its GPU under nccl), gathered with KV_BYTES
 
 
 def note_kv(pool) -> None:
-    """Remember the bytes of this rank's K/V slot pool (its local heads under TP)."""
+    """Remember the bytes this rank's K/V slot pool allocated (its local heads under TP): every row's slots,
+    which for full and snapkv hold prompt + max_new_tokens. Not the memory report's per-GPU KV, which is one
+    request's kept entries at the budget (docs/parallel.md)."""
     global KV_PEAK
     if pool is not None:
         held = sum(
@@ -399,10 +439,11 @@ def note_kv(pool) -> None:
 
 
 def gather_kv() -> None:
-    """Every rank's KV_PEAK into KV_BYTES (a collective: every rank calls it once generation is over); the
-    next run of a sweep in this process starts from zero."""
-    global KV_BYTES, KV_PEAK
+    """Every rank's KV_PEAK into KV_BYTES, and its local rank into LOCAL_RANKS (a collective: every rank
+    calls it once generation is over); the next run of a sweep in this process starts from zero."""
+    global KV_BYTES, KV_PEAK, LOCAL_RANKS
     KV_BYTES, KV_PEAK = gather_int(KV_PEAK), 0
+    LOCAL_RANKS = gather_int(LAYOUT.local_rank)
 
 
 def gather_int(value: int) -> list[int]:

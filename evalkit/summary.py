@@ -165,7 +165,7 @@ def next_step(plans) -> None:
     """After the table: where it went, and the step that gives a verdict (a compressed run needs the full run
     on the same problems; then `make report`)."""
     cfg = plans[0].cfg
-    args = _same_args()
+    args = _nproc() + _same_args()
     for p in plans:
         print(f"evalkit: results in {p.out}/ (metrics.json, samples.jsonl, generations.jsonl)")
     compressed = plans[0].method.name != "full"
@@ -179,6 +179,13 @@ def next_step(plans) -> None:
     else:
         print(f"next: a compressed run on the same problems (make eval METHOD=snapstream BUDGET=256{args}),")
         print(f"      then make report {where}")
+
+
+def _nproc() -> str:
+    """` NPROC=N` when this run spans N processes: its `parallel.*` overrides need as many to run again."""
+    from evalkit import parallel
+
+    return f" NPROC={parallel.LAYOUT.world}" if parallel.LAYOUT.world > 1 else ""
 
 
 def _same_args() -> str:

@@ -110,7 +110,8 @@ class GpuLayout:
 
     def kv_bytes_gpu(self, entries: int) -> int:
         """Bytes of KV one GPU holds for one request whose cache holds `entries` slots per layer and head
-        (the run's per-rank KV bytes: `kv_entries` of the method at its budget)."""
+        (`kv_entries` of the method at its budget). Not metrics.json's `parallel.kv_bytes_allocated_per_rank`,
+        which is a run's slot pool: every row decoded at once (docs/parallel.md, two per-rank KV figures)."""
         kv = self.kv
         return kv.layers * self.kv_heads_gpu * (kv.key_width + kv.value_width) * kv.kv_bits * entries // 8
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -18,6 +19,7 @@ from evalkit.metrics import Metrics
 IDS = ("generation", "method", "scoring")
 
 log = logging.getLogger(__name__)
+SHARD = re.compile(r"generations\.dp\d+\.jsonl")  # a DP replica's journal shard (evalkit.parallel)
 
 
 class RunError(EvalkitError, ValueError):
@@ -145,17 +147,25 @@ def load_runs(results_dir: str | Path) -> tuple[list[Run], list[str]]:
 
 def unfinished(results_dir: str | Path) -> list[str]:
     """Run folders with a config or a journal but no metrics.json (a sweep still running, or killed),
-    with how many generations their journal holds."""
+    with how many generations their journal holds: under data parallel, every replica's shard
+    (`generations.dp<d>.jsonl`, folded into `generations.jsonl` only when the run scores)."""
     root = Path(results_dir) / "runs"
     out = []
     for cfg in sorted(root.glob("**/config.yaml")):
         folder = cfg.parent
         if (folder / "metrics.json").exists():
             continue
-        journal = folder / "generations.jsonl"
-        done = sum(1 for line in journal.read_text().splitlines() if line.strip()) if journal.exists() else 0
+        shards = [f for f in sorted(folder.glob("generations.dp*.jsonl")) if SHARD.fullmatch(f.name)]
+        files = [f for f in (folder / "generations.jsonl", *shards) if f.is_file()]
+        done = sum(1 for f in files for line in f.read_text().splitlines() if line.strip())
+        where = (
+            f" in {len(files)} files: a data-parallel run whose {len(shards)} replica shard(s) are not "
+            "folded into generations.jsonl yet"
+            if shards
+            else ""
+        )
         out.append(
-            f"{folder.relative_to(root).as_posix()}: unfinished ({done} generations journaled, no "
+            f"{folder.relative_to(root).as_posix()}: unfinished ({done} generations journaled{where}, no "
             "metrics.json)"
         )
     return out

@@ -27,6 +27,7 @@ def cfg(**block):
         ({}, TORCHRUN, (4, 1, 3, "gloo")),  # tp defaults to the world size
         ({"dp_size": 4}, TORCHRUN, (1, 4, 3, "gloo")),
         ({"tp_size": 4, "backend": "nccl"}, TORCHRUN, (4, 1, 3, "nccl")),
+        ({"tp_size": 2, "dp_size": 2}, TORCHRUN, (2, 2, 3, "gloo")),  # two replicas, each a TP group of 2
         ({}, {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}, (8, 1, 5, "gloo")),
     ],
 )
@@ -35,6 +36,14 @@ def test_layout_from_the_config_and_the_environment(block, env, want, monkeypatc
     monkeypatch.delenv("MASTER_PORT", raising=False)
     lay = parallel.layout(cfg(**block), env)
     assert (lay.tp, lay.dp, lay.rank, lay.backend) == want
+
+
+def test_tp_and_dp_lay_ranks_out_replica_by_replica():
+    """rank = dp_rank x tp + tp_rank: a replica's TP group is tp consecutive ranks, its first the TP root."""
+    lays = [parallel.Layout(tp=2, dp=2, rank=r) for r in range(4)]
+    assert [(x.dp_rank, x.tp_rank, x.writer, x.journals) for x in lays] == [
+        (0, 0, True, True), (0, 1, False, False), (1, 0, False, True), (1, 1, False, False)
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -55,11 +64,6 @@ def test_layout_from_the_config_and_the_environment(block, env, want, monkeypatc
         ({"tp_size": 0}, {}, "parallel.tp_size must be a positive integer, got 0"),
         ({"dp_size": "2"}, {}, "parallel.dp_size must be a positive integer, got '2'"),
         ({"backend": "mpi"}, {}, "parallel.backend must be null, nccl or gloo, got 'mpi'"),
-        (
-            {"tp_size": 2, "dp_size": 2},
-            TORCHRUN,
-            "parallel.tp_size=2 with dp_size=2: tensor and data parallel in one run is not supported yet",
-        ),
     ],
 )
 def test_a_layout_that_cannot_run_is_refused(block, env, message):
@@ -139,3 +143,36 @@ def test_a_served_model_is_refused_under_several_processes(monkeypatch):
 def test_each_gpu_replica_loads_onto_its_own_gpu(lay, requested, want, monkeypatch):
     monkeypatch.setattr(parallel, "LAYOUT", lay)
     assert parallel.device_map(requested) == want
+
+
+def test_the_next_command_after_a_parallel_run_starts_as_many_processes(tmp_path, monkeypatch, capsys):
+    """The printed `make eval` repeats the run's `parallel.*` overrides: it must start the processes they
+    need (NPROC), or it is refused before it loads anything."""
+    from types import SimpleNamespace
+
+    from evalkit import summary
+
+    out = tmp_path / "runs" / "ruler" / "tiny_llama" / "snapstream" / "64"
+    plan = SimpleNamespace(
+        cfg=SimpleNamespace(results_dir=str(tmp_path)), method=SimpleNamespace(name="snapstream"), out=out
+    )
+    monkeypatch.setattr(summary, "_same_args", lambda: ' ARGS="parallel.tp_size=2 parallel.dp_size=2"')
+    summary.next_step([plan])
+    assert 'make eval METHOD=full ARGS="parallel.tp_size=2' in capsys.readouterr().out  # one process
+    monkeypatch.setattr(parallel, "LAYOUT", parallel.Layout(tp=2, dp=2))
+    summary.next_step([plan])
+    said = capsys.readouterr().out
+    assert 'next: the full-cache reference on the same problems: make eval METHOD=full NPROC=4 ARGS="' in said
+    plan.method.name = "full"
+    summary.next_step([plan])
+    assert "(make eval METHOD=snapstream BUDGET=256 NPROC=4 ARGS=" in capsys.readouterr().out
+
+
+def test_the_layout_record_names_every_ranks_gpu(monkeypatch):
+    """Two nodes of 2 GPUs, TP=2 x DP=2 under nccl: ranks 0-3 sit on cuda:0, cuda:1 of each node (the local
+    ranks gathered after generation), not on cuda:0..tp-1."""
+    monkeypatch.setattr(parallel, "LAYOUT", parallel.Layout(tp=2, dp=2, backend="nccl"))
+    monkeypatch.setattr(parallel, "LOCAL_RANKS", [0, 1, 0, 1])
+    assert parallel.provenance()["devices"] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    monkeypatch.setattr(parallel, "LAYOUT", parallel.Layout(dp=2, backend="gloo"))
+    assert parallel.provenance()["devices"] == ["cpu", "cpu"]

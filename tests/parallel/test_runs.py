@@ -19,15 +19,15 @@ from tests.conftest import planned_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ["model=tiny_llama", "task.load.n=1", "task.load.lengths=[1024]", "limit=4", "model.max_new_tokens=4"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
 def torchrun(
-    results: Path, *overrides: str, script=("-m", "evalkit"), fail=None
+    results: Path, *overrides: str, script=("-m", "evalkit"), fail=None, nproc=2, env=()
 ) -> subprocess.CompletedProcess:
-    env = {**ENV, **({"EVALKIT_TEST_FAIL": fail} if fail else {})}
-    cmd = [*TORCHRUN, *script, *RUN, *overrides, f"results_dir={results}"]
+    env = {**ENV, **dict(env), **({"EVALKIT_TEST_FAIL": fail} if fail else {})}
+    cmd = [*TORCHRUN, str(nproc), *script, *RUN, *overrides, f"results_dir={results}"]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -76,7 +76,8 @@ def test_make_eval_nproc2_tensor_parallel_writes_the_journal_once(tmp_path):
     assert {k: layout[k] for k in ("tp", "dp", "world_size", "backend")} == dict(
         tp=2, dp=1, world_size=2, backend="gloo"
     )
-    assert len(layout["kv_bytes_per_rank"]) == 2 and all(b > 0 for b in layout["kv_bytes_per_rank"])
+    kv = layout["kv_bytes_allocated_per_rank"]
+    assert len(kv) == 2 and all(b > 0 for b in kv)
     ref = one_process(tmp_path / "one", "method.budget=64")
     assert predictions(folder) == predictions(ref) and headline(folder) == headline(ref)
 
@@ -101,6 +102,55 @@ def test_dp2_writes_what_one_process_does(tmp_path):
     assert predictions(folder) == predictions(ref) and headline(folder) == headline(ref)
     assert sorted(p.name for p in folder.glob("generations*")) == ["generations.jsonl"]  # shards folded
     assert sorted(journal_keys(folder)) == sorted(journal_keys(ref))
+
+
+@pytest.mark.slow
+def test_tp2_by_dp2_writes_what_one_process_does(tmp_path):
+    """4 processes: two replicas, each a TP group of 2 sharding the model by KV head. limit=3 gives the
+    replicas unequal shares (2 and 1 requests): a collective across replicas would hang (bounded by the
+    process group timeout) or mix their tensors; the results equal one process's."""
+    args = ("parallel.tp_size=2", "parallel.dp_size=2", "method.budget=64", "limit=3")
+    done = torchrun(tmp_path / "tpdp", *args, nproc=4, env={"EVALKIT_DIST_TIMEOUT_S": "60"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("evalkit: results in") == 1  # one writer reports
+    folder = planned_folder(tmp_path / "tpdp", *RUN, *args[2:])
+    ref = one_process(tmp_path / "one", *args[2:])
+    assert predictions(folder) == predictions(ref) and headline(folder) == headline(ref)
+    assert sorted(p.name for p in folder.glob("generations*")) == ["generations.jsonl"]  # shards folded
+    keys = journal_keys(folder)
+    assert sorted(keys) == sorted(set(keys)) == sorted(journal_keys(ref))
+    layout = json.loads((folder / "metrics.json").read_text())["parallel"]
+    assert {k: layout[k] for k in ("tp", "dp", "world_size")} == dict(tp=2, dp=2, world_size=4)
+    one = json.loads((ref / "metrics.json").read_text())["parallel"]["kv_bytes_allocated_per_rank"]
+    assert layout["kv_bytes_allocated_per_rank"] == [one[0] // 2] * 4  # each rank: 1 of the 2 KV heads
+    # the printed next command runs as printed: it starts the 4 processes its overrides need
+    said = done.stdout.split("next: the full-cache reference on the same problems: ")[1].splitlines()[0]
+    assert said.startswith("make eval METHOD=full NPROC=4 ARGS=")
+    cmd = said.replace("make eval", "make -s -o .venv/.stamp eval", 1)
+    full = subprocess.run(cmd, shell=True, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+    reference = json.loads((folder.parents[1] / "full" / "none" / "metrics.json").read_text())
+    assert reference["parallel"]["dp"] == 2
+
+
+@pytest.mark.slow
+def test_tp2_by_dp2_agrees_mla_kept_sets_within_each_replica(tmp_path):
+    """tiny DeepSeek-V3 (MLA replicated over TP: SnapKV's kept sets broadcast from each replica's TP root over
+    that replica's group), replicas with unequal shares: the one-process results."""
+    run = [o if not o.startswith("model=") else "model=tiny_deepseek" for o in RUN]
+    args = ["method=snapkv", "method.budget=64", "limit=3"]
+    layout = ["parallel.tp_size=2", "parallel.dp_size=2", f"results_dir={tmp_path / 'tpdp'}"]
+    cmd = [*TORCHRUN, "4", "-m", "evalkit", *run, *args, *layout]
+    env = {**ENV, "EVALKIT_DIST_TIMEOUT_S": "60"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    evalkit.task._MEMO.clear()
+    runner.run(compose(overrides=[*run, *args, f"results_dir={tmp_path / 'one'}"]))
+    folder, ref = (planned_folder(tmp_path / d, *run, *args) for d in ("tpdp", "one"))
+    assert predictions(folder) == predictions(ref) and headline(folder) == headline(ref)
+    kv = json.loads((folder / "metrics.json").read_text())["parallel"]["kv_bytes_allocated_per_rank"]
+    one = json.loads((ref / "metrics.json").read_text())["parallel"]["kv_bytes_allocated_per_rank"]
+    assert kv == one * 4  # the latent cache whole on every rank
 
 
 @pytest.mark.slow

@@ -265,6 +265,23 @@ def test_partial_sweep_lists_missing_cells_and_unfinished_runs(tmp_path):
     assert not any(m.startswith("ruler/") for m in missing)
 
 
+def test_a_data_parallel_run_in_progress_is_unfinished_with_its_shards_counted(tmp_path):
+    """Replicas 1 and 2 journal into their own shards until the run scores: their generations count, and
+    the note says why the run has no metrics yet."""
+    _sweep(tmp_path, "ruler", {128: 0})
+    running = tmp_path / "runs" / "ruler" / "smollm2_135m" / "snapstream" / "512"
+    running.mkdir(parents=True)
+    (running / "config.yaml").write_text("x: 1\n")
+    (running / "generations.jsonl").write_text('{"key": "a"}\n')
+    (running / "generations.dp1.jsonl").write_text('{"key": "b"}\n{"key": "d"}\n')
+    (running / "generations.dp2.jsonl").write_text('{"key": "c"}\n')
+    missing = build(settings(results_dir=str(tmp_path))).missing
+    assert (
+        "ruler/smollm2_135m/snapstream/512: unfinished (4 generations journaled in 3 files: a data-parallel "
+        "run whose 2 replica shard(s) are not folded into generations.jsonl yet, no metrics.json)"
+    ) in missing
+
+
 def test_bad_input_is_named_and_the_rest_of_the_report_is_written(tmp_path):
     _sweep(tmp_path, "ruler", {256: 0})  # the good pair
     write_run(tmp_path, binary_rows([1] * 30), budget=256, task="aime24", headline="pass@1")  # no full run
