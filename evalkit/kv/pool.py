@@ -21,6 +21,7 @@ class SlotPool(StaticKVCache):
     slot, ring of one: they decode harmlessly in place)."""
 
     evicting: str | None = None  # the rows' decode-time eviction kind (`KVMethod.evict`): one per pool
+    pooled = True
 
     @classmethod
     def shaped_like(cls, like: KVCache, batch: int, capacity: int) -> SlotPool:
@@ -114,15 +115,17 @@ class SlotPool(StaticKVCache):
     def observe(self, layer, query, key, mask, scaling) -> None:
         """Called by attention after each decode step's attention of a layer."""
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if not self.score_updates:  # the bench's baseline: the step without its scoring
+            return
         if self.evicting == "refit":  # this query joins the row's window of the last w
             layer.queries[self._row, :, self._slot_pos % layer.queries.shape[2]] = query[:, :, 0]
-        elif self.score_updates:
+        else:
             add_attention(layer, query, key, mask, scaling)
 
     def decoded(self, active: list[int]) -> None:
         """After a decode step (host only, no sync): `snapkv_decode` rows re-select every `interval` steps,
         as kvpress's DecodingPress (a cache no larger than its target is left alone)."""
-        if self.evicting != "refit":
+        if self.evicting != "refit" or not self.score_updates:
             return
         for r in active:
             method = self._methods[r]

@@ -45,6 +45,7 @@ class StaticKVCache(KVCache):
 
     static = True
     observing = False  # attention hands this cache each step's query (decode-time eviction scores it)
+    pooled = False  # the engine's slot pool (`pool.SlotPool`), the one static cache that evicts at decode
 
     def _check_max_new(self, max_new_tokens):
         """A static append cache allocates its decode slots at prefill: it must know how many."""
@@ -63,6 +64,11 @@ class StaticKVCache(KVCache):
 
     def _prefilled(self, rows: Rows, t: int) -> None:
         """The per-step state as device tensors that every decode step updates in place."""
+        if self.method.evict is not None and not self.pooled:
+            raise ValueError(
+                f"{self.method.name} chooses what to evict while decoding, in the engine's slot pool only: "
+                "decode through evalkit.kv.generate or evalkit.engine.Engine"
+            )
         b, dev = rows.valid.shape[0], rows.valid.device
         sink = min(self.method.blocks()[0], rows.n)
         self._sink = torch.full((b,), sink, dtype=torch.long, device=dev)  # (B,) sink slots per row
