@@ -284,3 +284,24 @@ def test_defaults():
     m = make_method("snapkv_decode", budget=256)
     assert (m.window, m.interval, m.target, m.blocks()) == (32, 64, 192, (0, 32, 160))
     assert make_method("snapkv_decode", budget=128).interval == 33  # at least window + 1
+
+
+def test_h2o_budgets_share_one_prefill():
+    """A budget sweep records one prefill (every query kept: h2o's window) and replays it into the other
+    budgets' caches: the same kept entries and accumulated scores as a prefill of their own."""
+    from evalkit.kv import KVCache
+    from evalkit.kv.prefill import PrefillRecord, populate
+
+    model = sharp_model("qwen3", seed=4)
+    ids = prompts((120,))[0][None]
+    small, large = H2O(budget=40), H2O(budget=64, recent=16)
+    record = PrefillRecord(window=max(32, small.window, large.window))  # lm.py's rule
+    with torch.inference_mode():
+        model(ids, cache=KVCache.for_model(small, model, record=record))
+        replayed = KVCache.for_model(large, model, replay=record)
+        populate(replayed, record)
+        alone = KVCache.for_model(large, model)
+        model(ids, cache=alone)
+    for got, want in zip(replayed.layers, alone.layers):
+        assert torch.equal(got.pos, want.pos)
+        assert torch.allclose(got.acc, want.acc, rtol=1e-6, atol=1e-6)
