@@ -17,7 +17,8 @@ reproduces the full cache exactly. Keys keep the RoPE of their original position
 This is the dynamic cache (host bookkeeping, growing buffers; a batch decodes only rows of one prompt length,
 a left-padded batch goes through `evalkit.kv.generate`, i.e. the engine), as transformers splits DynamicCache
 and StaticCache: `static.StaticKVCache` (`compile: true`) fixes shapes and per-step state, `pool.SlotPool` is
-the engine's static cache whose rows are filled one request at a time.
+the engine's static cache whose rows are filled one request at a time. The decode-time eviction methods
+(`h2o`, `snapkv_decode`: `evalkit.kv.evict`) are prefilled here and decode in that pool only.
 """
 
 from __future__ import annotations
