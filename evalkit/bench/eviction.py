@@ -154,7 +154,8 @@ def note(rows: list[dict]) -> str:
         "Decode-time eviction beside SnapStream's ring at the same budget (eager, one row). `scoring_ms`: "
         "the mean step with the method's scoring minus without it (h2o: one more pass of the query over the "
         "budget's keys each step; snapkv_decode: its query stored each step and a re-selection every "
-        "`interval` steps, `refit_ms` each); `decode_tok_s` counts every step, re-selections included."
+        "`interval` steps, `refit_ms` each); `decode_tok_s` counts every step, re-selections included. A "
+        "cost below the machine's noise (a few % of a step on a shared CPU) can come out negative."
     )
 
 
