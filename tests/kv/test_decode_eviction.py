@@ -224,6 +224,22 @@ def test_compiled_step_equals_eager_one_graph(method):
     assert stats["kept"] == ref_stats["kept"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method", [H2O(budget=40, recent=8), SnapKVDecode(budget=48, window=4, interval=16)], ids=lambda m: m.name
+)
+def test_inductor_step_equals_eager(method):
+    """The same through inductor (what `compile: true` runs): one graph, every step, the same tokens."""
+    model = tiny_model("llama", seed=1)
+    counting = Counting("inductor")
+    ids = prompts((100,))[0][None]
+    out, stats = gen(model, ids, method, backend=counting, new=60)
+    assert (counting.compiled, counting.runs) == (1, 59)
+    ref, ref_stats = gen(model, ids, method, new=60)
+    assert torch.equal(out.sequences, ref.sequences) and stats["kept"] == ref_stats["kept"]
+    assert max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) <= 1e-5
+
+
 @pytest.mark.parametrize(
     "method", [H2O(budget=40, recent=8), SnapKVDecode(budget=48, window=4, interval=16)], ids=lambda m: m.name
 )
