@@ -193,6 +193,7 @@ class Engine:
         greedy = torch.argmax(logits, dim=-1)  # (rows,)
         chosen = greedy.tolist()  # one host read per step, not one per row
         active = [r for r, row in enumerate(live) if row is not None]
+        self.pool.decoded(active)  # between steps: a decode-time method's periodic re-selection
         finished = []
         for r in active:
             row = live[r]

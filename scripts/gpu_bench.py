@@ -2,8 +2,10 @@
 
 Llama-3.1-8B-shaped (all 32 layers, bf16, sdpa) and DeepSeek-V3-shaped MLA (a few dense layers of the real
 widths): prefill time with transformers' DynamicCache vs SnapStream, then decode tokens/s for the full cache
-vs SnapStream budgets, then eager vs compiled decode (`compile: true`: the static cache through
-torch.compile, CUDA graphs via mode="reduce-overhead"; evalkit.bench.compiled) with the memory floor.
+vs SnapStream budgets, decode-time eviction (h2o, snapkv_decode; DeepSeek: h2o) beside SnapStream at the
+first budget with its per-step scoring cost (evalkit.bench.eviction), then eager vs compiled decode
+(`compile: true`: the static cache through torch.compile, CUDA graphs via mode="reduce-overhead";
+evalkit.bench.compiled) with the memory floor.
 `python scripts/gpu_bench.py [--tokens 32768] [--device cuda] [--layers N] [--no-compile]`;
 `--device cpu --tokens 1024 --layers 2 --small` is a CPU smoke run of the script itself.
 """
@@ -17,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from evalkit.bench import decode_speed, prefill_overhead
 from evalkit.bench.compiled import ALL_MODES, compiled_decode
+from evalkit.bench.eviction import eviction_speed
 from evalkit.kv import Full, SnapStream, attach
 
 LLAMA_31_8B = dict(
@@ -78,6 +81,8 @@ def run(model, tokens: int, budgets, steps: int, device: str, compiled: bool) ->
         "tokens": tokens,
         "prefill": prefill_overhead(model, ids, reps=3),
         "decode": decode_speed(model, ids, budgets, steps, rounds=4),
+        # h2o / snapkv_decode decode through the engine's slot pool: their own measurement, same budget
+        "eviction": eviction_speed(model, ids, budgets[0], max(steps, 2 * budgets[0] // 4 + 8), rounds=4),
     }
     if compiled:
         methods = [SnapStream(budget=budgets[0]), Full()]

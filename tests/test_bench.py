@@ -292,6 +292,7 @@ def test_gpu_bench_script_runs_on_the_bench_functions(model, monkeypatch):
     assert [r["config"] for r in res["prefill"]] == ["dynamic_cache", "evalkit_full", "snapstream_1024"]
     assert [r["config"] for r in res["compiled_decode"]] == ["snapstream_64", "full"]
     assert all(r["tokens_equal"] and r["static_tok_s"] > 0 for r in res["compiled_decode"])
+    assert [r["config"] for r in res["eviction"]] == ["snapstream_64", "h2o_64", "snapkv_decode_64"]
 
 
 def test_compile_bench_script_writes_every_mode_of_each_method(tmp_path, monkeypatch, capsys):
@@ -606,3 +607,27 @@ def test_sweep_modes_run_the_right_budgets_batched_or_not_and_compare_texts(tmp_
     assert (
         rows[0]["x_one_run"] == 1.0 and rows[1]["x_one_run"] > rows[3]["x_one_run"] > 1
     )  # 2+3+4+5 vs 7, vs 1
+
+
+# --- decode-time eviction ---------------------------------------------------------------------------------
+def test_eviction_rows_time_the_scoring_beside_snapstream(model, ids):
+    """h2o and snapkv_decode beside snapstream at one budget, each with and without its scoring from the
+    same state; snapkv_decode's re-selections are counted and timed (interval 33 at budget 128: 82 scored
+    steps)."""
+    from evalkit.bench.eviction import eviction_speed
+
+    rows = eviction_speed(model, ids, 128, 80, rounds=2)
+    assert [r["config"] for r in rows] == ["snapstream_128", "h2o_128", "snapkv_decode_128"]
+    snap, h2o, refit = rows
+    assert all(r["steps"] == 80 and r["decode_tok_s"] > 0 and r["no_scoring_tok_s"] > 0 for r in rows)
+    assert (snap["scoring_ms"], snap["refits"], h2o["refits"]) == (0.0, 0, 0)
+    assert refit["refits"] == 82 // 33 and refit["refit_ms"] > 0
+    for r in rows:
+        assert r["scoring_ms"] == pytest.approx(r["step_ms"] - 1e3 / r["no_scoring_tok_s"], abs=0.01)
+
+
+def test_the_16k_eviction_bench_is_opt_in():
+    assert "eviction" in cli.selected(cli.parser(), None)
+    assert "eviction_16k" not in cli.selected(cli.parser(), None)
+    assert cli.selected(cli.parser(), "eviction_16k") == ["eviction_16k"]
+    assert cli.measurement("eviction_16k").csv == "eviction_speed_16k.csv"

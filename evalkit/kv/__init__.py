@@ -12,7 +12,7 @@ stats  # tokens seen / kept / evicted and bytes, per layer and per row
 from evalkit.kv.attention import attach, register
 from evalkit.kv.cache import KVCache
 from evalkit.kv.generate import generate
-from evalkit.kv.methods import Full, KVMethod, SnapKV, SnapStream, StreamingLLM
+from evalkit.kv.methods import H2O, Full, KVMethod, SnapKV, SnapKVDecode, SnapStream, StreamingLLM
 from evalkit.kv.static import StaticKVCache
 
 register()
@@ -26,6 +26,8 @@ __all__ = [
     "StreamingLLM",
     "SnapKV",
     "SnapStream",
+    "H2O",
+    "SnapKVDecode",
     "attach",
     "register",
 ]

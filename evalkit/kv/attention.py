@@ -48,7 +48,11 @@ def evalkit_attention(module, query, key, value, attention_mask, scaling=None, *
     if layer.cache.static:
         if kwargs.get("softcap") is not None or kwargs.get("dropout", 0.0):
             raise ValueError("evalkit's static decode attention supports neither softcap nor dropout")
-        return static_decode_sdpa(query, key, value, layer.cache.decode_mask(), scaling)
+        mask = layer.cache.decode_mask()
+        out = static_decode_sdpa(query, key, value, mask, scaling)
+        if layer.cache.observing:  # decode-time eviction: this query's attention, or the query itself
+            layer.cache.observe(layer, query, key, mask, scaling)
+        return out
     mask = layer.cache.decode_mask()
     return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, is_causal=False, **kwargs)
 

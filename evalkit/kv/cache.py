@@ -17,7 +17,8 @@ reproduces the full cache exactly. Keys keep the RoPE of their original position
 This is the dynamic cache (host bookkeeping, growing buffers; a batch decodes only rows of one prompt length,
 a left-padded batch goes through `evalkit.kv.generate`, i.e. the engine), as transformers splits DynamicCache
 and StaticCache: `static.StaticKVCache` (`compile: true`) fixes shapes and per-step state, `pool.SlotPool` is
-the engine's static cache whose rows are filled one request at a time.
+the engine's static cache whose rows are filled one request at a time. The decode-time eviction methods
+(`h2o`, `snapkv_decode`: `evalkit.kv.evict`) are prefilled here and decode in that pool only.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class KVLayer(CacheLayerMixin):
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # full prompt K/V awaiting compression
         self.pos: torch.Tensor | None = None  # (B, H, cap) int32 original position per slot, -1 = empty
         self.steps = 0  # decode steps written by this layer
+        self.acc: torch.Tensor | None = None  # h2o: (B, H, cap) float32 accumulated attention per slot
+        self.queries: torch.Tensor | None = None  # snapkv_decode: (B, H_q, window, D) last decode queries
 
     @property
     def is_compileable(self) -> bool:
@@ -90,15 +93,25 @@ class KVLayer(CacheLayerMixin):
         rows = self.cache.prefill_rows(attention_mask, keys.shape[0], keys.shape[2], keys.device)
         b, h = keys.shape[:2]
         pos = rows.base_pos[:, None, :].expand(b, h, rows.n).clone()  # (B, H, n) position per slot
-        if self.cache.has_topk:  # (B, H_attn, T) scores; pads are masked out of the window's softmax
-            scores = self.cache.method.score(query, attn_keys, rows.candidates, rows.pad, scaling)
-            place_topk(pos, group_mean(scores, h), rows, self.cache.method.blocks())
+        method = self.cache.method
+        accumulates = method.evict == "h2o"  # H2O carries every kept entry's prefill score into decode
+        self.query_shape = query.shape[1], query.shape[-1]  # (H_q, D): a decode-scoring pool's query buffer
+        self.scaling = scaling
+        self.expanded = attn_keys is not keys  # MLA: attention reads per-head keys rebuilt from the cache's
+        scores = None
+        if self.cache.has_topk or accumulates:  # (B, H_attn, T); pads are masked out of the softmax
+            scores = group_mean(method.score(query, attn_keys, rows.candidates, rows.pad, scaling), h)
+        if self.cache.has_topk:
+            ranked = scores.masked_fill(~rows.candidates[:, None], float("-inf"))  # h2o's are unrestricted
+            place_topk(pos, ranked, rows, method.blocks())
         src = (pos.clamp(min=0) + rows.pad[:, None, None]).unsqueeze(-1)  # (B, H, n, 1) prompt columns
         empty = (pos < 0).unsqueeze(-1)
         cap = rows.valid.shape[1]
         self.keys, self.values = (_gathered(x, src, empty, cap) for x in (keys, values))
         self.pos = pos.new_full((b, h, cap), -1, dtype=torch.int32)
         self.pos[:, :, : rows.n] = pos
+        if accumulates:  # (B, H, cap) float32 accumulated attention per slot, 0 where empty
+            self.acc = _gathered(scores.unsqueeze(-1), src, empty, cap).squeeze(-1)
         self.cache.allocated(self)
 
     def grow(self, capacity: int) -> None:
@@ -212,6 +225,12 @@ class KVCache(Cache):
         rows = self.rows
         if self.step == 0:
             self._check_rows()
+            if self.method.evict is not None:
+                raise ValueError(
+                    f"{self.method.name} chooses what to evict while decoding, which the dynamic cache "
+                    "(model.generate with a KVCache) does not do: decode through evalkit.kv.generate or "
+                    "evalkit.engine.Engine"
+                )
         position = rows.lengths[0] + self.seen - self._prompt_width  # this token's position (every row)
         if self.method.ring:
             self._check_one(q, "a ring cache decodes one token per forward after prefill", "not supported")

@@ -64,7 +64,8 @@ def plan_rows(method, valid_cols: torch.Tensor) -> Rows:
     sink = min(sink, n)
     # Whole prompt kept when it fits, except under the spec's fixed ring (`spare_slots="pad"`), whose short
     # prompts keep their middle in the top-K block and leave the unused slots as padding.
-    whole = lengths <= n
+    # (`snapkv_decode` keeps at most `budget - interval` of the prompt: its decode appends into the rest)
+    whole = lengths <= getattr(method, "target", n)
     if method.ring and getattr(method, "spare_slots", "ring") == "pad":
         whole = torch.zeros_like(whole)
     tail = torch.where(whole, n - sink, tail_long)  # (B,)

@@ -12,6 +12,14 @@ that ranks the middle of the prompt for the top-K block:
 | streamingllm  | S    | B - S             | -                    | ring   |
 | snapkv        | -    | window (L_obs)    | B - L_obs, SnapKV    | append |
 | snapstream    | S    | recent (R)        | B - S - R, SnapKV    | ring   |
+| h2o           | -    | recent (R)        | B - R, accumulated   | evict  |
+| snapkv_decode | -    | window (L_obs)    | B - I - L_obs, SnapKV| refit  |
+
+The two decode-time methods choose what to evict while decoding, in a cache that never grows past `budget`
+slots: `h2o` (Zhang et al., 2023, arXiv 2306.14048) adds each new token's attention to every kept entry's
+accumulated score and overwrites the lowest-scored entry older than the last R tokens; `snapkv_decode`
+(kvpress's `DecodingPress` around SnapKV) appends for `interval` steps into the I free slots, then re-selects
+the cache down to `budget - interval` entries by the last `window` decode queries' attention.
 
 `budget` is absolute: KV entries kept per layer and KV head. Invalid settings raise `ValueError` here, at
 construction, naming the setting and the rule.
@@ -39,6 +47,9 @@ class KVMethod:
     budget: ClassVar[int | None] = None  # KV entries kept per layer and KV head; None: uncompressed
     window: ClassVar[int] = 0  # observation window (last prompt queries) a shared prefill must keep
     spare_slots: ClassVar[str] = "ring"  # what a ring's slots beyond the prompt hold ("pad": the spec's)
+    # Decode-time eviction (a fixed-size cache whose decode chooses the slot to overwrite): None (ring or
+    # append), "h2o" (accumulated attention, every step) or "refit" (SnapKV re-selection every `interval`).
+    evict: ClassVar[str | None] = None
 
     def blocks(self) -> tuple[int, int, int]:
         """(sink, tail, top-K) used when a prompt does not fit in the budget."""
@@ -179,3 +190,79 @@ class SnapStream(SnapKV):
 
     def blocks(self) -> tuple[int, int, int]:
         return self.sink, self.recent, self.budget - self.sink - self.recent
+
+
+@dataclass
+class H2O(KVMethod):
+    """H2O: heavy hitters (accumulated attention) plus the last `recent` tokens, fixed size `budget`.
+
+    Prefill keeps the last `recent` prompt tokens and the top-(budget - recent) of the rest by attention
+    summed over every prompt query; each decode step adds the new query's attention to every kept entry's
+    score and, once the cache is full, overwrites the lowest-scored entry older than the last `recent`
+    tokens. This is the reference's eviction with `recent_size = recent`, `hh_size = budget - recent - 1`,
+    attending over `budget` entries (the reference evicts after attending over one more than it keeps)."""
+
+    budget: int = 256
+    recent: int | None = None  # None: budget // 2 (the reference's equal heavy and recent ratios)
+    name: ClassVar[str] = "h2o"
+    ring: ClassVar[bool] = True
+    evict: ClassVar[str | None] = "h2o"
+    window: ClassVar[int] = 1 << 30  # the prefill scores with every prompt query: a shared prefill keeps all
+
+    def __post_init__(self):
+        _check_budget(self.name, self.budget)
+        if self.recent is None:
+            self.recent = self.budget // 2
+        if self.budget < 2 or not 1 <= self.recent <= self.budget - 1:
+            raise ValueError(
+                f"{self.name}: recent must be in [1, budget - 1] so a full cache has an entry to evict, "
+                f"got recent={self.recent}, budget={self.budget}"
+            )
+
+    def blocks(self) -> tuple[int, int, int]:
+        return 0, self.recent, self.budget - self.recent
+
+    def score(self, query, keys, candidates, pad, scaling):
+        """Attention each prompt position receives, summed over every prompt query (not restricted to
+        `candidates`: the kept recent entries carry their sums into decode)."""
+        return select.accumulated_attention(query, keys, pad, scaling)
+
+
+@dataclass
+class SnapKVDecode(SnapKV):
+    """SnapKV during decode (kvpress `DecodingPress(SnapKVPress)`): `budget` slots, re-selected every
+    `interval` decode steps down to `budget - interval` entries (the last `window` tokens plus the top of the
+    rest by those tokens' queries); the prompt is compressed by SnapKV to the same size at prefill."""
+
+    interval: int | None = None  # None: budget // 4, at least window + 1
+    name: ClassVar[str] = "snapkv_decode"
+    ring: ClassVar[bool] = True
+    evict: ClassVar[str | None] = "refit"
+
+    def __post_init__(self):
+        _check_budget(self.name, self.budget)
+        _check_kernel(self.name, self.pool_kernel)
+        if self.window < 1:
+            raise ValueError(f"{self.name}: window must be >= 1, got {self.window}")
+        if self.interval is None:
+            self.interval = max(self.budget // 4, self.window + 1)
+        # kvpress scores with more buffered decode queries than the window (its assert): interval > window
+        if self.interval <= self.window:
+            raise ValueError(
+                f"{self.name}: interval must be > window (the window's queries are decode steps since the "
+                f"last re-selection), got interval={self.interval}, window={self.window}"
+            )
+        if self.budget - self.interval < self.window:
+            raise ValueError(
+                f"{self.name}: budget - interval (entries kept at each re-selection) must be >= window, got "
+                f"budget={self.budget}, interval={self.interval}, window={self.window}: raise the budget or "
+                "lower the interval"
+            )
+
+    @property
+    def target(self) -> int:
+        """Entries kept after each re-selection (and after prefill): kvpress's `target_size`."""
+        return self.budget - self.interval
+
+    def blocks(self) -> tuple[int, int, int]:
+        return 0, self.window, self.target - self.window

@@ -105,3 +105,34 @@ def place_topk(pos: torch.Tensor, scores: torch.Tensor, rows, blocks: tuple[int,
     picked = torch.where(picked < t, picked, -1)
     selecting = (rows.topk > 0)[:, None, None]  # rows kept whole use these slots for their tail
     pos[:, :, block] = torch.where(selecting, picked, pos[:, :, block])
+
+
+def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """(..., k) indices of the k highest scores along the last axis: the one place where the decode-time
+    methods turn scores into kept (or, negated, evicted) entries, so a wrapper can make ranks agree."""
+    return scores.topk(k, dim=-1).indices
+
+
+def accumulated_attention(query, keys, pad: torch.Tensor, scaling: float) -> torch.Tensor:
+    """H2O's prefill score: the causal attention each key column receives, summed over every prompt query,
+    (B, H_attn, T) float32 (the query heads sharing a KV head averaged, as in `snapkv_scores`).
+
+    query (B, H_q, T, D) post-RoPE; keys (B, H_attn, T, D); pad (B,) left pad columns (masked as keys; a pad
+    query adds nothing). Computed in query chunks: memory stays bounded at long prompts."""
+    b, h_q, t, d = query.shape
+    h_attn = keys.shape[1]
+    g = h_q // h_attn
+    out = torch.zeros(b, h_attn, g, t, dtype=torch.float32, device=query.device)
+    cols = torch.arange(t, device=query.device)
+    real = cols[None, :] >= pad[:, None]  # (B, T)
+    k = keys.float().unsqueeze(2)  # (B, H, 1, T, D)
+    q = query.float().view(b, h_attn, g, t, d)
+    step = max(1, _MAX_SCORE_ELEMENTS // max(1, b * h_q * t))
+    for r0 in range(0, t, step):  # prefill only: bounded memory, not a per-step loop
+        rows = cols[r0 : r0 + step]  # (c,) query columns of this chunk
+        seen = real[:, None, :] & (cols[None, None, :] <= rows[None, :, None])  # (B, c, T)
+        logits = torch.matmul(q[:, :, :, r0 : r0 + step], k.transpose(-1, -2)) * scaling  # (B, H, g, c, T)
+        logits = logits.masked_fill_(~seen[:, None, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a pad query's row is all -inf: adds 0
+        out += probs.sum(dim=3)
+    return out.mean(dim=2)

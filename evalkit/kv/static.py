@@ -44,6 +44,8 @@ class StaticKVCache(KVCache):
     free column), so rows of different methods and budgets can share one (`evalkit.kv.pool.SlotPool`)."""
 
     static = True
+    observing = False  # attention hands this cache each step's query (decode-time eviction scores it)
+    pooled = False  # the engine's slot pool (`pool.SlotPool`), the one static cache that evicts at decode
 
     def _check_max_new(self, max_new_tokens):
         """A static append cache allocates its decode slots at prefill: it must know how many."""
@@ -62,6 +64,11 @@ class StaticKVCache(KVCache):
 
     def _prefilled(self, rows: Rows, t: int) -> None:
         """The per-step state as device tensors that every decode step updates in place."""
+        if self.method.evict is not None and not self.pooled:
+            raise ValueError(
+                f"{self.method.name} chooses what to evict while decoding, in the engine's slot pool only: "
+                "decode through evalkit.kv.generate or evalkit.engine.Engine"
+            )
         b, dev = rows.valid.shape[0], rows.valid.device
         sink = min(self.method.blocks()[0], rows.n)
         self._sink = torch.full((b,), sink, dtype=torch.long, device=dev)  # (B,) sink slots per row
@@ -97,11 +104,19 @@ class StaticKVCache(KVCache):
             self._advance_state()
         # index_put_ (not scatter_): inductor writes it in place into the buffers; a scatter it would apply to
         # a copy of each buffer and copy back, moving the whole cache twice per layer and step
-        index = (self._row, slice(None), self._slot)  # (B,) rows x all heads x (B,) slots
+        index = self._write_index(layer)
         layer.keys[index] = k[:, :, 0]  # (B, H, D_k)
         layer.values[index] = v[:, :, 0]
         layer.pos[index] = self._slot_pos[:, None]  # (B, 1) -> (B, H)
         return layer.keys, layer.values
+
+    def decoded(self, active: list[int]) -> None:
+        """Host hook after each engine decode step (the pool's decode-time re-selection)."""
+
+    def _write_index(self, layer: KVLayer) -> tuple:
+        """Where this step's token goes: (B,) rows x all heads x (B,) slots (decode-time eviction: per
+        head)."""
+        return self._row, slice(None), self._slot
 
     def _advance_state(self) -> None:
         """This step's slot and position per row, the slot marked valid, counters moved on: all in place."""

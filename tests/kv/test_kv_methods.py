@@ -31,9 +31,11 @@ def test_invalid_settings_fail_at_construction(name, settings, message):
 
 def test_unknown_method_lists_choices():
     with pytest.raises(
-        ConfigError, match="unknown method 'h2o'; valid choices: full, snapkv, snapstream, streamingllm"
+        ConfigError,
+        match="unknown method 'tova'; valid choices: full, h2o, snapkv, snapkv_decode, snapstream, "
+        "streamingllm",
     ):
-        make_method("h2o")
+        make_method("tova")
 
 
 def test_defaults_follow_the_spec():

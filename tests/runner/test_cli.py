@@ -141,7 +141,8 @@ def test_two_job_sweep_through_joblib(tmp_path):
     [
         ("task=nope", "Available options in 'task'"),
         ("model=nope", "Available options in 'model'"),
-        ("method=h2o", "Available options in 'method'"),
+        ("method=nope", "Available options in 'method'"),
+        ("method=snapkv_decode method.interval=16", "snapkv_decode: interval must be > window"),
         ("method.budget=abc", "budget must be a positive integer"),
         ("method.budget=0", "budget must be > 0"),
         ("method.recent=500", "sink + recent must be <= budget"),
