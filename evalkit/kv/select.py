@@ -109,8 +109,8 @@ def place_topk(pos: torch.Tensor, scores: torch.Tensor, rows, blocks: tuple[int,
 
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """(..., k) indices of the k highest scores along the last axis: the one place where the decode-time
-    methods turn scores into kept (or, negated, evicted) entries, so a wrapper can make ranks agree."""
-    return scores.topk(k, dim=-1).indices
+    methods turn scores into kept (or, negated, evicted) entries, agreed across TP ranks like `place_topk`."""
+    return agree_kept(scores.topk(k, dim=-1).indices)
 
 
 def accumulated_attention(query, keys, pad: torch.Tensor, scaling: float) -> torch.Tensor:

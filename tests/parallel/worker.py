@@ -16,7 +16,14 @@ METHODS = {
     "streamingllm": {"budget": 24},
     "snapkv": {"budget": 24, "window": 8},
     "snapstream": {"budget": 24, "window": 8},
+    "h2o": {"budget": 24},  # decode-time eviction: 40/57-token prompts + 12 new tokens evict at every step
+    "snapkv_decode": {"budget": 24, "window": 4, "interval": 6},
 }
+NOT_ON = {"deepseek_v3": {"snapkv_decode"}}  # it re-scores cached keys: refused on an MLA latent
+
+
+def methods_for(arch: str, methods: dict = METHODS) -> dict:
+    return {name: settings for name, settings in methods.items() if name not in NOT_ON.get(arch, ())}
 SAMPLING = {"greedy": dict(do_sample=False), "sampled": dict(do_sample=True, temperature=0.8, top_k=20)}
 
 
@@ -45,7 +52,7 @@ def observe(arch: str, methods: dict = METHODS) -> dict:
     spec = ModelSpec(name=f"tiny_{arch}", random=TINY[arch], tokenizer="smollm2_135m", dtype=DTYPE[arch])
     model, tokenizer = load_model(spec)
     out = {}
-    for name, settings in methods.items():
+    for name, settings in methods_for(arch, methods).items():
         method = make_method(name, **settings)
         kept = []
         for ids in prompts():
