@@ -24,6 +24,8 @@ NOT_ON = {"deepseek_v3": {"snapkv_decode"}}  # it re-scores cached keys: refused
 
 def methods_for(arch: str, methods: dict = METHODS) -> dict:
     return {name: settings for name, settings in methods.items() if name not in NOT_ON.get(arch, ())}
+
+
 SAMPLING = {"greedy": dict(do_sample=False), "sampled": dict(do_sample=True, temperature=0.8, top_k=20)}
 
 
