@@ -2,8 +2,8 @@
 
 Llama-3.1-8B-shaped (all 32 layers, bf16, sdpa) and DeepSeek-V3-shaped MLA (a few dense layers of the real
 widths): prefill time with transformers' DynamicCache vs SnapStream, then decode tokens/s for the full cache
-vs SnapStream budgets, decode-time eviction (h2o, snapkv_decode; DeepSeek: h2o) beside SnapStream at the
-first budget with its per-step scoring cost (evalkit.bench.eviction), then eager vs compiled decode
+vs SnapStream budgets, decode-time eviction (h2o, snapkv_decode; DeepSeek: h2o) beside SnapStream at budget
+1024 with its per-step scoring cost (evalkit.bench.eviction), then eager vs compiled decode
 (`compile: true`: the static cache through torch.compile, CUDA graphs via mode="reduce-overhead";
 evalkit.bench.compiled) with the memory floor.
 `python scripts/gpu_bench.py [--tokens 32768] [--device cuda] [--layers N] [--no-compile]`;
@@ -70,9 +70,14 @@ def build(cfg: dict, layers: int | None, device: str, small: bool):
 
 
 @torch.inference_mode()
-def run(model, tokens: int, budgets, steps: int, device: str, compiled: bool) -> dict:
+def run(
+    model, tokens: int, budgets, steps: int, device: str, compiled: bool, evict: int | None = None
+) -> dict:
     """evalkit.bench's interleaved prefill and decode measurements on random token ids; eager vs compiled
-    decode of SnapStream (the first budget) and the full cache."""
+    decode of SnapStream (the first budget) and the full cache. `evict`: the decode-time eviction rows' budget
+    (default the first); snapkv_decode re-selects every budget/4 steps and the rows decode two re-selections'
+    worth, so 1024 costs ~520 steps where 4096 would cost ~2k."""
+    evict = evict or budgets[0]
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
@@ -81,8 +86,8 @@ def run(model, tokens: int, budgets, steps: int, device: str, compiled: bool) ->
         "tokens": tokens,
         "prefill": prefill_overhead(model, ids, reps=3),
         "decode": decode_speed(model, ids, budgets, steps, rounds=4),
-        # h2o / snapkv_decode decode through the engine's slot pool: their own measurement, same budget
-        "eviction": eviction_speed(model, ids, budgets[0], max(steps, 2 * budgets[0] // 4 + 8), rounds=4),
+        # h2o / snapkv_decode decode through the engine's slot pool: their own measurement at one budget
+        "eviction": eviction_speed(model, ids, evict, max(steps, 2 * evict // 4 + 8), rounds=4),
     }
     if compiled:
         methods = [SnapStream(budget=budgets[0]), Full()]
@@ -112,7 +117,9 @@ def main():
         ("deepseek_v3_shape", DEEPSEEK_V3, args.layers or 4),
     ):
         model = build(cfg, layers, args.device, args.small)
-        report[name] = run(model, args.tokens, budgets, args.steps, args.device, not args.no_compile)
+        report[name] = run(
+            model, args.tokens, budgets, args.steps, args.device, not args.no_compile, evict=budgets[1]
+        )
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_bench.json").write_text(json.dumps(report, indent=2))  # after each model: nothing lost
         del model

@@ -261,7 +261,22 @@ def test_smollm2_512_steps_one_graph(smollm2):
 # --- CUDA: inductor with CUDA graphs (mode="reduce-overhead"), scripts/gpu_check.sh ------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "llama",
+        pytest.param(
+            "deepseek_v3",
+            marks=pytest.mark.xfail(
+                raises=RuntimeError,
+                strict=True,
+                reason="transformers 5.24's fp32 MoE experts (its grouped-mm fallback) copy expert offsets "
+                "to the host (offs.tolist()) inside the captured step: 'Cannot copy between CPU and CUDA "
+                "tensors during CUDA graph capture' (seen on an H200, 2026-12-04); not evalkit's cache",
+            ),
+        ),
+    ],
+)
 def test_cuda_graphs_equal_eager(arch, monkeypatch):
     """fp32 on CUDA: CUDA-graph replays give the eager tokens; a skipped CUDA graph is an error here (the
     static buffers must be pinned, no data-dependent op in the step); one graph per shape across requests."""

@@ -321,3 +321,21 @@ def test_h2o_budgets_share_one_prefill():
     for got, want in zip(replayed.layers, alone.layers):
         assert torch.equal(got.pos, want.pos)
         assert torch.allclose(got.acc, want.acc, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "method", [H2O(budget=40, recent=8), SnapKVDecode(budget=48, window=4, interval=16)], ids=lambda m: m.name
+)
+def test_cuda_graphs_equal_eager(method, monkeypatch):
+    """fp32 on CUDA: CUDA-graph replays give the eager tokens and kept sets, snapkv_decode's re-selections
+    writing the graph's pinned buffers between replays included; a skipped CUDA graph is an error here."""
+    monkeypatch.setattr(torch._inductor.config.triton, "cudagraph_or_error", True)
+    model = tiny_model("llama", seed=1).cuda()
+    ids = prompts((100,))[0][None].cuda()
+    out, stats = gen(model, ids, method, backend="inductor", new=60)
+    ref, ref_stats = gen(model, ids, method, new=60)
+    assert torch.equal(out.sequences, ref.sequences) and stats["kept"] == ref_stats["kept"]
+    assert max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) <= 1e-4
+    assert not counters["inductor"]["cudagraph_skips"]
