@@ -83,6 +83,17 @@ def planned_folder(results, *overrides: str) -> Path:
     return runner.plan(compose(overrides=[*overrides, f"results_dir={results}"])).out
 
 
+def fresh_run(*overrides: str, results):
+    """`python -m evalkit <overrides> results_dir=<results>` in this process, as a new process would run it
+    (the in-process data memo cleared first)."""
+    import evalkit.run as runner
+    import evalkit.task
+    from evalkit.config import compose
+
+    evalkit.task._MEMO.clear()
+    return runner.run(compose(overrides=[*overrides, f"results_dir={results}"]))
+
+
 def the_run(results, method: str, tag: str) -> Path:
     """The one run folder of `method`/`tag` under `results` (task and model folder names carry their
     settings)."""

@@ -8,12 +8,11 @@ import json
 import pytest
 
 import evalkit.run as runner
-import evalkit.task
 import tasks.longbench_v2.longbench_v2 as lb
 import tasks.ruler.ruler as ruler
 from evalkit.config import ConfigError, compose
 from evalkit.sample import Sample
-from tests.conftest import killed_run, planned_folder
+from tests.conftest import fresh_run, killed_run, planned_folder
 
 # sampled (temperature 1): a random model's answers then differ with any difference in its cache
 RULER = [
@@ -31,9 +30,7 @@ RULER = [
 ]
 
 
-def run(*overrides, results):
-    evalkit.task._MEMO.clear()
-    return runner.run(compose(overrides=[*overrides, f"results_dir={results}"]))
+run = fresh_run  # conftest: one call stands for one process
 
 
 def lines(folder) -> list[dict]:

@@ -10,13 +10,12 @@ import torch
 from omegaconf import OmegaConf
 
 import evalkit.run as runner
-import evalkit.task
 from evalkit.config import ConfigError, compose
 from evalkit.engine import Engine, Request
 from evalkit.identity import hashes
 from evalkit.kv import Full, KVCache, SnapKV, SnapStream
 from evalkit.request import Prompt, generation_config, question_tokens
-from tests.conftest import planned_folder, tiny_model
+from tests.conftest import fresh_run, planned_folder, tiny_model
 
 RULER = [
     "model=tiny_llama",
@@ -26,9 +25,7 @@ RULER = [
 ]
 
 
-def run(*overrides, results):
-    evalkit.task._MEMO.clear()
-    return runner.run(compose(overrides=[*overrides, f"results_dir={results}"]))
+run = fresh_run  # conftest: one call stands for one process
 
 
 def journal(folder) -> dict:

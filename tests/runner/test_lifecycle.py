@@ -10,12 +10,11 @@ import pytest
 from omegaconf import OmegaConf
 
 import evalkit.run as runner
-import evalkit.task
 from evalkit.config import ConfigError, compose
 from evalkit.journal import JournalError
 from evalkit.results import RunInUse, RunLock
 from evalkit.task import DataError
-from tests.conftest import planned_folder
+from tests.conftest import fresh_run, planned_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 RULER = [
@@ -27,9 +26,7 @@ RULER = [
 AIME = ["model=tiny_llama", "task=aime24", "task.load.n=2", "model.max_new_tokens=8", "method=streamingllm"]
 
 
-def run(*overrides, results):
-    evalkit.task._MEMO.clear()  # the in-process data memo stands for one process: each call here is a new one
-    return runner.run(compose(overrides=[*overrides, f"results_dir={results}"]))
+run = fresh_run  # conftest: one call stands for one process
 
 
 def folder(results, *overrides):

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 import evalkit.run as runner
-import evalkit.task
-from evalkit.config import ConfigError, compose
+from evalkit.config import ConfigError
 from evalkit.journal import Journal
 from evalkit.served import ServedError
+from tests.conftest import fresh_run
 
 ROOT = Path(__file__).resolve().parents[2]
 AIME = ["task=aime24_greedy", "model.max_new_tokens=16"]
@@ -123,9 +123,7 @@ def served(url: str, *overrides: str) -> list[str]:
     ]
 
 
-def run(*overrides, results):
-    evalkit.task._MEMO.clear()  # each call stands for a new process
-    return runner.run(compose(overrides=[*overrides, f"results_dir={results}"]))
+run = fresh_run  # conftest: one call stands for one process
 
 
 def folder(results, task="aime24_greedy", model="served"):

@@ -11,10 +11,9 @@ import pytest
 from lm_eval.tasks._index import TaskIndex
 
 import evalkit.run as runner
-import evalkit.task
 from evalkit.config import choices, compose, group_config
 from evalkit.journal import LM_EVAL_PREFIX, task_id
-from tests.conftest import the_run
+from tests.conftest import fresh_run, the_run
 
 ROOT = Path(__file__).resolve().parents[2]
 # sampled (T=0.6): equal scores before and after the rename also mean equal per-request seeds
@@ -41,9 +40,7 @@ def test_no_evalkit_task_or_group_name_is_one_lm_eval_ships():
         assert task_id(cfg.lm_eval_task) == cfg.lm_eval_task.removeprefix("evalkit_")
 
 
-def run(*overrides, results):
-    evalkit.task._MEMO.clear()  # each call stands for a new process
-    return runner.run(compose(overrides=[*overrides, f"results_dir={results}"]))
+run = fresh_run  # conftest: one call stands for one process
 
 
 @pytest.fixture
