@@ -1,5 +1,5 @@
 """`python -m evalkit` across 2 processes under torchrun (CPU, gloo): one writer, DP shards, failures and
-resumes. Each run starts two Python processes: the DP and failure cases are marked slow."""
+resumes. Each run starts two Python processes (TP=2 x DP=2 starts four: those two cases are marked slow)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,6 @@ def test_a_layout_that_does_not_fit_the_processes_is_refused_before_any_load(tmp
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.slow
 def test_dp2_writes_what_one_process_does(tmp_path):
     done = torchrun(tmp_path / "dp", "parallel.dp_size=2", "method.budget=64")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -153,7 +152,6 @@ def test_tp2_by_dp2_agrees_mla_kept_sets_within_each_replica(tmp_path):
     assert kv == one * 4  # the latent cache whole on every rank
 
 
-@pytest.mark.slow
 def test_a_killed_dp_rank_ends_the_run_and_the_rerun_resumes(tmp_path):
     """Rank 1 SIGKILLed after its first journal append: torchrun ends the run naming rank 1; the same command
     resumes (rank 1's shard is kept) to the one-process result, each request journaled once."""
@@ -178,7 +176,6 @@ def test_a_killed_dp_rank_ends_the_run_and_the_rerun_resumes(tmp_path):
     assert (gen["from_journal"], gen["generated_now"]) == (before, 4 - before)  # nothing done twice
 
 
-@pytest.mark.slow
 def test_a_failing_tp_rank_ends_the_run_with_its_error_and_another_layout_resumes(tmp_path):
     """Rank 1 raises at its second decode step while rank 0 waits in a collective: the run ends within bounded
     time with rank 1's error; one process then resumes the folder (the layout is no part of the identity)."""
