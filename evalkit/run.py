@@ -74,8 +74,9 @@ def plan(cfg: DictConfig) -> Plan:
             raise ConfigError(
                 f"{key} must be a plain name (letters, digits, '_', '.', '-', '+'), got {value!r}"
             )
-    method_name = choices.get("method") or cfg.method._target_.rsplit(".", 1)[-1].lower()
-    if not method_class(cfg.method._target_).budget_applies and cfg.method.get("budget") is not None:
+    cls = method_class(cfg.method._target_)
+    method_name = choices.get("method") or cls.name  # the conf's name (SnapKVDecode: snapkv_decode)
+    if not cls.budget_applies and cfg.method.get("budget") is not None:
         # a sweep lists `full` beside compressed methods: its budgets all name the one uncompressed run
         log.info("%s keeps every entry: budget=%s does not apply", method_name, cfg.method.budget)
         cfg = OmegaConf.merge(cfg, {"method": {"budget": None}})
@@ -207,6 +208,43 @@ def check_budget(plans: list[Plan], context: int) -> None:
                 f"method.budget={budget} is above {p.cfg.model.name}'s context of {context} tokens: no "
                 f"prompt can fill it. Choose a budget below {context}, or METHOD=full for the uncompressed "
                 "cache"
+            )
+
+
+def has_followup(cfg: DictConfig) -> bool:
+    """The task's lm-eval YAML asks a second call after each first one (`evalkit_followup`: LongBench-v2
+    CoT's answer call)."""
+    for path in TASKS_DIR.glob("*/*.yaml"):
+        text = path.read_text()
+        if re.search(rf"^task:\s*{re.escape(cfg.task.lm_eval_task)}\s*$", text, re.M):
+            return "evalkit_followup:" in text
+    return False
+
+
+def check_decode_eviction(plans: list[Plan], model_cfg) -> None:
+    """What a decode-time eviction method (h2o, snapkv_decode: its slot pool holds rows of its own kind)
+    cannot run with, refused before the model loads."""
+    for p in plans:
+        name, kind = p.method.name, p.method.evict
+        if kind is None:
+            continue
+        mla = getattr(model_cfg.get_text_config(), "kv_lora_rank", None) is not None
+        if kind == "refit" and mla:
+            raise ConfigError(
+                f"method {name} re-scores the cached keys, but {p.cfg.model.name} caches MLA's latent (keys "
+                "are rebuilt from it inside attention): use h2o, snapkv or snapstream"
+            )
+        if mla and p.cfg.compile and parallel.LAYOUT.tp > 1:
+            raise ConfigError(
+                f"method {name} with compile=true under tensor parallelism on an MLA model: every step's "
+                "eviction is broadcast from the TP root, which the compiled step cannot hold. Set "
+                "compile=false, or run one process"
+            )
+        if has_followup(p.cfg):
+            raise ConfigError(
+                f"task {p.cfg.task.name} asks a second call on the full cache after each first one, which a "
+                f"{name} slot pool cannot hold beside its rows: use method snapkv or snapstream, or "
+                "task=longbench_v2"
             )
 
 
@@ -379,8 +417,10 @@ def run(cfg: DictConfig) -> list[dict]:
         check_writable(p.out)
     spec = plans[0].spec
     parallel.check_model(spec)
-    context = context_length(spec, model_config(spec, resolve_source(spec)))
+    model_cfg = model_config(spec, resolve_source(spec))
+    context = context_length(spec, model_cfg)
     check_budget(plans, context)
+    check_decode_eviction(plans, model_cfg)
     loaded, load_kwargs = load_data(plans[0], tokenizer_path(spec), context)  # before any model loads
     setup = configure_task(plans[0]) if writer else None
     locks = [RunLock(p.out) for p in plans] if writer else []

@@ -75,6 +75,7 @@ def write_run(
     compression: float | None = 0.25,
     peak: tuple[int, int] = (2000, 2100),
     query_aware: bool | None = None,  # the run setting; None: a config without the key (older runs)
+    multi_question: bool = False,  # the run setting (with query_aware=False): one row per question
 ) -> Path:
     """Write `<root>/runs/<task>/<model>/<method>/<tag>/{metrics.json,samples.jsonl,config.yaml}`; the
     generation identity hashes what determines generations (not the method), as the runner does. A
@@ -84,7 +85,7 @@ def write_run(
     tag = ("none" if budget is None else str(budget)) + "".join(
         f"-{k}{v}" for k, v in sorted(settings.items())
     )
-    kind = method + ("-query_agnostic" if query_aware is False else "")
+    kind = method + ("-query_agnostic" if query_aware is False else "") + ("-mq" if multi_question else "")
     folder = Path(root) / "runs" / task / model / kind / tag
     folder.mkdir(parents=True, exist_ok=True)
     cfg = {
@@ -96,6 +97,8 @@ def write_run(
     }
     if query_aware is not None:
         cfg["query_aware"] = query_aware
+    if multi_question:
+        cfg["multi_question"] = True
     method_record = {
         "name": method,
         "budget": budget,

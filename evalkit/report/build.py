@@ -250,9 +250,9 @@ def recommend_models(head: pd.DataFrame, runs: list[Run]) -> list[dict]:
     out = []
     if head.empty:
         return out
-    tasks = defaultdict(set)
+    tasks = defaultdict(set)  # query-aware and query-agnostic runs: each over the tasks run that way
     for r in runs:
-        tasks[r.model].add(r.task)
+        tasks[(r.model, r.query_aware)].add(r.task)
     for (model, method, settings, aware), rows in head.groupby(
         ["model", "method", "settings", "query_aware"], sort=True
     ):
@@ -262,7 +262,7 @@ def recommend_models(head: pd.DataFrame, runs: list[Run]) -> list[dict]:
             "method": method,
             "settings": settings,
             "query_aware": aware,
-            "tasks": sorted(tasks[model]),
+            "tasks": sorted(tasks[(model, aware)]),
         }
         for budget in sorted({b for _, b in verdicts}):
             short = [t for t in rec["tasks"] if verdicts.get((t, budget)) != "non-inferior"]
@@ -295,10 +295,15 @@ def query_pairs(runs: list[Run], notes: list[str]) -> list[tuple[Run, Run]]:
         if len(match) == 1:
             out.append((r, match[0]))
         else:
+            none = (  # multi_question needs query_aware=false: no question there is seen before compression
+                " (multi-question runs have none)"
+                if r.task.endswith("-multi_question")
+                else " (run it with query_aware=true)"
+            )
             notes.append(
                 f"{r.rel}: query-agnostic, {'several' if match else 'no'} query-aware run(s) of the same "
                 f"budget and generation settings to compare with"
-                + (f": {[m.rel for m in match]}" if match else " (run it with query_aware=true)")
+                + (f": {[m.rel for m in match]}" if match else none)
             )
     return out
 

@@ -39,7 +39,10 @@ class Run:
 
     @property
     def task(self) -> str:
-        return self.metrics.task
+        """The task's name; a multi-question run's is its own task (other samples: one row per question), so
+        it is grouped, paired and recommended apart from single-question runs."""
+        multi = self.config.get("multi_question", False) if self.config else False
+        return f"{self.metrics.task}-multi_question" if multi else self.metrics.task
 
     @property
     def method(self) -> str:

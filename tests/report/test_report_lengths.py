@@ -282,6 +282,23 @@ def test_query_agnostic_without_a_query_aware_partner_is_noted(tmp_path):
     )
 
 
+def test_multi_question_runs_are_their_own_task(tmp_path):
+    """A multi-question run asks other samples (one row per question): it is grouped, paired and recommended
+    apart from single-question query-agnostic runs of the same method and budget, against its own full run,
+    and its missing query-aware partner is explained, not asked for."""
+    write_run(tmp_path, _rows(FULL_TOKENS), method="full", budget=None)
+    write_run(tmp_path, _rows(COMP_TOKENS), budget=256, query_aware=False)
+    mq = dict(query_aware=False, multi_question=True, data_hash="e" * 64)
+    write_run(tmp_path, _rows(FULL_TOKENS), method="full", budget=None, **mq)
+    write_run(tmp_path, _rows(COMP_TOKENS), budget=256, **mq)
+    rep = build(settings(results_dir=str(tmp_path)))
+    head = rep.headline.set_index("task")
+    assert sorted(head.index) == ["ruler", "ruler-multi_question"]
+    assert head.loc["ruler-multi_question", "full_run"] == "ruler/smollm2_135m/full-query_agnostic-mq/none"
+    assert head.loc["ruler", "full_run"] == "ruler/smollm2_135m/full/none"
+    assert any("-mq/256: query-agnostic" in n and "(multi-question runs have none)" in n for n in rep.notes)
+
+
 def test_leaderboard_carries_the_length_columns_and_query_setting(tmp_path):
     _query_runs(tmp_path)
     leaderboard.build(tmp_path)
