@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -120,6 +121,33 @@ def _parse(line: bytes) -> tuple[dict | None, str | None]:
         return None, NOT_JSON
     problem = record_problem(rec)
     return (rec, None) if problem is None else (None, problem)
+
+
+# A run folder's journal files: the run's own, and under data parallel one shard per other replica
+# (`generations.dp<d>.jsonl`, evalkit.parallel), folded into the run's own when the run scores.
+JOURNAL = "generations.jsonl"
+SHARD = re.compile(r"generations\.dp(\d+)\.jsonl")
+
+
+def journal_files(folder: Path) -> list[Path]:
+    """The folder's journal files that exist: its own first, then the replica shards in order."""
+    shards = [f for f in sorted(folder.glob("generations.dp*.jsonl")) if SHARD.fullmatch(f.name)]
+    return [f for f in (folder / JOURNAL, *shards) if f.is_file()]
+
+
+def read_records(path: Path) -> tuple[dict[str, dict], bool]:
+    """(the usable records of a journal file, whether every line was usable), read only: another process may
+    be appending to it, and its torn or foreign lines are that process's to set aside."""
+    out: dict[str, dict] = {}
+    clean = True
+    for line in path.read_bytes().split(b"\n"):
+        if not line.strip():
+            continue
+        rec, problem = _parse(line)
+        if problem is None:
+            out.setdefault(rec["key"], rec)
+        clean = clean and problem is None
+    return out, clean
 
 
 class Journal:

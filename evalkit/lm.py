@@ -169,9 +169,7 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         todo = [m for m, d in zip(methods, done) if d is None]
         if not todo:
             return []
-        ids, truncated = self._encode(p)
-        n_question = question_tokens(self.tokenizer, p, ids) if p.question_at is not None else 0
-        ids, forced = ids[: len(ids) - n_question], ids[len(ids) - n_question :]
+        ids, forced, truncated = self._split(p)
         windows = [m.window for m, _, _ in todo]
         record = PrefillRecord(window=max(32, *windows)) if len(todo) > 1 and p.followup is None else None
         return [
@@ -232,9 +230,10 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         return jobs
 
     def _split(self, p: Prompt) -> tuple[list[int], list[int], bool]:
-        """(context ids, question ids, truncated) of a prompt: its fitted ids split at the question."""
+        """(context ids, question ids, truncated) of a prompt: its fitted ids split at the question (no
+        question ids when query-aware)."""
         ids, truncated = self._encode(p)
-        n = question_tokens(self.tokenizer, p, ids)
+        n = question_tokens(self.tokenizer, p, ids) if p.question_at is not None else 0
         return ids[: len(ids) - n], ids[len(ids) - n :], truncated
 
     def _turn_ids(self, p: Prompt) -> list[int]:

@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from evalkit.journal import JOURNAL, journal_files, read_records
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -297,40 +299,15 @@ def device_map(requested: str | None) -> str | None:
 
 
 # --- journal shards -----------------------------------------------------------------------------------------
-SHARD = re.compile(r"generations\.dp(\d+)\.jsonl")
-
-
 def shard_path(out: Path, replica: int | None = None) -> Path:
     """The journal this replica appends to: replica 0 the run's own `generations.jsonl`."""
     replica = LAYOUT.dp_rank if replica is None else replica
-    return out / ("generations.jsonl" if replica == 0 else f"generations.dp{replica}.jsonl")
+    return out / (JOURNAL if replica == 0 else f"generations.dp{replica}.jsonl")
 
 
 def sibling_shards(out: Path, own: Path) -> list[Path]:
     """Every journal file of the run folder but `own`, in a fixed order."""
-    files = [out / "generations.jsonl", *sorted(out.glob("generations.dp*.jsonl"))]
-    return [
-        f
-        for f in files
-        if f != own and f.is_file() and (f.name == "generations.jsonl" or SHARD.fullmatch(f.name))
-    ]
-
-
-def read_records(path: Path) -> tuple[dict[str, dict], bool]:
-    """(the usable records of a journal file, whether every line was usable), read only: another replica may
-    be appending to it, and its torn or foreign lines are that replica's to set aside."""
-    from evalkit.journal import _parse
-
-    out: dict[str, dict] = {}
-    clean = True
-    for line in path.read_bytes().split(b"\n"):
-        if not line.strip():
-            continue
-        rec, problem = _parse(line)
-        if problem is None:
-            out.setdefault(rec["key"], rec)
-        clean = clean and problem is None
-    return out, clean
+    return [f for f in journal_files(out) if f != own]
 
 
 def open_journals(plans: list, open_journal) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -14,12 +13,12 @@ from pathlib import Path
 from evalkit import metrics as metrics_record
 from evalkit.errors import EvalkitError
 from evalkit.identity import hashes
+from evalkit.journal import SHARD, journal_files
 from evalkit.metrics import Metrics
 
 IDS = ("generation", "method", "scoring")
 
 log = logging.getLogger(__name__)
-SHARD = re.compile(r"generations\.dp\d+\.jsonl")  # a DP replica's journal shard (evalkit.parallel)
 
 
 class RunError(EvalkitError, ValueError):
@@ -158,8 +157,8 @@ def unfinished(results_dir: str | Path) -> list[str]:
         folder = cfg.parent
         if (folder / "metrics.json").exists():
             continue
-        shards = [f for f in sorted(folder.glob("generations.dp*.jsonl")) if SHARD.fullmatch(f.name)]
-        files = [f for f in (folder / "generations.jsonl", *shards) if f.is_file()]
+        files = journal_files(folder)  # under data parallel, the replica shards too
+        shards = [f for f in files if SHARD.fullmatch(f.name)]
         done = sum(1 for f in files for line in f.read_text().splitlines() if line.strip())
         where = (
             f" in {len(files)} files: a data-parallel run whose {len(shards)} replica shard(s) are not "
