@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> None:
     from evalkit.config import ConfigError, model_spec
     from evalkit.errors import EvalkitError, exit_with
-    from evalkit.models import load_model
+    from evalkit.loading import load_model
     from evalkit.sources import context_length, model_config, resolve_source
 
     args, methods = parse_args(argv)

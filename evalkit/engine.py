@@ -37,7 +37,7 @@ from evalkit.kv.layout import slots_needed
 from evalkit.kv.pool import SlotPool
 from evalkit.kv.prefill import PrefillRecord, shared_prefill
 from evalkit.kv.static import compile_config
-from evalkit.parallel import agree
+from evalkit.team import Team
 
 
 @dataclass(eq=False)
@@ -95,12 +95,22 @@ class _Row:
 class Engine:
     """Decode many requests through one pool of `rows` rows. `continuous=False` is static batching (a batch is
     refilled only when all its rows are done), kept for comparison. `compile=True` compiles the decode step
-    once per (rows, slots) shape (`evalkit.kv.static.compile_config`)."""
+    once per (rows, slots) shape (`evalkit.kv.static.compile_config`). Under tensor parallelism every rank of
+    `team`'s TP group runs the same requests and takes its root's decisions (logits, replicated kept sets)."""
 
     def __init__(
-        self, model, tokenizer, eos_ids: list[int], rows: int, continuous: bool = True, compile=False
+        self,
+        model,
+        tokenizer,
+        eos_ids: list[int],
+        rows: int,
+        continuous: bool = True,
+        compile=False,
+        team: Team | None = None,
     ):
         self.model, self.tokenizer, self.eos = model, tokenizer, set(eos_ids)
+        self.team = team or Team.single()
+        self.cache_agree = self.team.cache_agree(model)  # kept indices -> the TP group's (MLA)
         self.n_rows, self.continuous = rows, continuous
         self.step_fn = model.forward
         self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -189,7 +199,7 @@ class Engine:
             use_cache=True,
             **self._keep_last(),
         )
-        logits = agree(out.logits[:, -1].to(copy=True, dtype=torch.float32))  # (rows, V), as the TP root's
+        logits = self.team.agree(out.logits[:, -1].to(copy=True, dtype=torch.float32))  # (rows, V): root's
         greedy = torch.argmax(logits, dim=-1)  # (rows,)
         chosen = greedy.tolist()  # one host read per step, not one per row
         active = [r for r, row in enumerate(live) if row is not None]
@@ -248,6 +258,7 @@ class Engine:
             record=req.record,
             replay=replay,
             max_new_tokens=fed_tokens(req),
+            agree=self.cache_agree,
         )
         ids = torch.tensor([req.ids], device=self.model.device)
         with shared_prefill(self.model):
@@ -261,7 +272,7 @@ class Engine:
         # the owner and each replaying request drop their reference once prefilled, so a prompt's record lives
         # only until its last budget is in (a record holds the prompt's whole K/V)
         req.replayed, req.replay, req.record = replay is not None, None, None
-        return cache, agree(out.logits[:, -1].to(copy=True, dtype=torch.float32))  # TP: the root's logits
+        return cache, self.team.agree(out.logits[:, -1].to(copy=True, dtype=torch.float32))  # TP: root's
 
     def _new_row(self, req: Request, prefill_s: float) -> _Row:
         from lm_eval.models.utils_hf import MultiTokenEOSCriteria

@@ -15,9 +15,13 @@ import os
 import re
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from evalkit.errors import EvalkitError
 from evalkit.results import atomic_write
+
+if TYPE_CHECKING:
+    from evalkit.team import Team
 
 # evalkit's lm-eval tasks are registered as `evalkit_<task>` so that no name collides with a task or group
 # lm-eval ships (its `ruler` group, `aime24`, ...). Runs made before that rename used the bare names.
@@ -124,7 +128,7 @@ def _parse(line: bytes) -> tuple[dict | None, str | None]:
 
 
 # A run folder's journal files: the run's own, and under data parallel one shard per other replica
-# (`generations.dp<d>.jsonl`, evalkit.parallel), folded into the run's own when the run scores.
+# (`generations.dp<d>.jsonl`, `shard_path`), folded into the run's own when the run scores (`fold_shards`).
 JOURNAL = "generations.jsonl"
 SHARD = re.compile(r"generations\.dp(\d+)\.jsonl")
 
@@ -214,3 +218,81 @@ class Journal:
 
     def close(self) -> None:
         self._file.close()
+
+
+# --- data parallel: one shard per replica -------------------------------------------------------------------
+def shard_path(out: Path, replica: int) -> Path:
+    """The journal replica `replica` appends to: replica 0 the run's own `generations.jsonl`."""
+    return out / (JOURNAL if replica == 0 else f"generations.dp{replica}.jsonl")
+
+
+def sibling_shards(out: Path, own: Path) -> list[Path]:
+    """Every journal file of the run folder but `own`, in a fixed order."""
+    return [f for f in journal_files(out) if f != own]
+
+
+def open_journals(plans: list, open_journal, team: Team) -> None:
+    """Each unfinished plan's journal on this rank: a TP root opens its replica's shard (`open_journal(p,
+    path)`) and counts every other shard's records as done; a TP peer gets its root's records (`PeerJournal`).
+    Every replica sees the same done set at the start, so the replicas split the rest the same way on each."""
+    todo = [p for p in plans if p.state != "done"]
+    replica = team.ranks.dp_rank
+    if team.journals:
+        for p in todo:
+            p.journal = open_journal(p, shard_path(p.out, replica))
+    team.barrier()  # every shard's torn or foreign lines are set aside before the others read it
+    if team.journals:
+        for p in todo:
+            adopt_shards(p.journal)
+    records = team.share([p.journal.records if team.journals else None for p in todo])
+    if not team.journals:
+        for p, recs in zip(todo, records):
+            p.journal = PeerJournal(shard_path(p.out, replica), recs)
+
+
+def adopt_shards(journal) -> None:
+    """Count the other shards' records as done in `journal` (in memory: they stay in their files)."""
+    journal.adopted = set()
+    for path in sibling_shards(journal.path.parent, journal.path):
+        for key, rec in read_records(path)[0].items():
+            if key not in journal.records:
+                journal.records[key] = rec
+                journal.adopted.add(key)
+
+
+def fold_shards(journal) -> None:
+    """Rank 0 before scoring (every replica has finished): the other shards' records appended to its
+    `generations.jsonl`, and each shard file whose every line was usable removed, so a finished run folder
+    holds one journal whatever layout made it. What another replica generated in this run counts as
+    generated now."""
+    known = journal.loaded_keys | getattr(journal, "adopted", set())
+    written = set(read_records(journal.path)[0]) if journal.path.exists() else set()
+    for path in sibling_shards(journal.path.parent, journal.path):
+        records, clean = read_records(path)
+        for key, rec in records.items():
+            if key not in written:
+                journal.records.pop(key, None)  # adopted in memory only: now into the file
+                journal.append(rec)
+                written.add(key)
+                if key in known:
+                    journal.generated_keys.discard(key)
+        if clean:
+            path.unlink()
+
+
+class PeerJournal:
+    """A TP peer's view of its root's journal: what is done, in memory; the root writes the file."""
+
+    def __init__(self, path: Path, records: dict):
+        self.path, self.records, self.rejected = path, dict(records), []
+        self.loaded_keys, self.generated_keys = frozenset(records), set()
+
+    def get(self, key: str) -> dict | None:
+        return self.records.get(key)
+
+    def append(self, record: dict) -> None:
+        self.generated_keys.add(record["key"])
+        self.records.setdefault(record["key"], record)
+
+    def close(self) -> None:
+        pass

@@ -22,7 +22,6 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import GenerationConfig
 
-from evalkit import parallel
 from evalkit.journal import journal_record, journaled, keyed
 from evalkit.kv import Full
 from evalkit.request import (
@@ -38,6 +37,7 @@ from evalkit.request import (
     request_seed,
     stop_strings,
 )
+from evalkit.team import Team
 
 
 class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.CliLM (lm_eval_plugin.py)
@@ -69,6 +69,7 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         device=None,
         max_batch_size=None,  # lm-eval passes it; evalkit batches exactly `batch_size`
         compile: bool = False,  # compile the decode step (static shapes; CUDA graphs on GPU)
+        team: Team | None = None,  # the run's processes (one by default)
         **method_settings,
     ):
         from evalkit.config import model_spec
@@ -78,8 +79,9 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
 
         # a model conf name or node (lm-eval's --model_args), or a ModelSpec already made
         spec = model_spec(model) if isinstance(model, str | dict | DictConfig) else model
+        self.team = team or Team.single()
         if hf_model is None:
-            hf_model, tokenizer = load_model(spec)
+            hf_model, tokenizer = load_model(spec, self.team)
             if device and spec.device_map is None and (device == "cpu" or torch.cuda.is_available()):
                 hf_model = hf_model.to(device)  # lm-eval's --device, for models without a device_map
         if isinstance(method, str):
@@ -102,7 +104,7 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
             max_length=max_length or context_length(spec, hf_model.config),
         )
         # a TP group runs every request on every rank, and DP replicas split them themselves
-        # (`parallel.owns`): lm-eval must never split requests across evalkit's processes
+        # (`Team.owns`): lm-eval must never split requests across evalkit's processes
         self._rank, self._world_size = 0, 1
 
     # --- generation requests: lm-eval's requests in, evalkit.engine's continuous batching underneath --------
@@ -119,7 +121,7 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         # DP: another replica's request is answered by its journal ("" here; scoring reads journals);
         # a conversation stays whole on the replica that owns its first question
         groups = conversations(prompts) if self.multi_question else [[ip] for ip in prompts]
-        groups = [g for g in groups if parallel.owns(g[0][0])]
+        groups = [g for g in groups if self.team.owns(g[0][0])]
         owned = {i for g in groups for i, _ in g}
         results: list[str | None] = [None if i in owned else "" for i in range(len(requests))]
         if self.multi_question:
@@ -131,7 +133,9 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         rows = max(
             1, min(self.batch_size * (methods if self.batch_budgets else 1), len(jobs))
         )  # no empty rows
-        engine = Engine(self.model, self.tokenizer, self._eos_ids(), rows=rows, compile=self.compile)
+        engine = Engine(
+            self.model, self.tokenizer, self._eos_ids(), rows=rows, compile=self.compile, team=self.team
+        )
         bar = tqdm(
             total=len(requests) * methods,
             initial=len(requests) * methods - todo,
@@ -153,7 +157,7 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
             bar.update(1)
             bar.set_postfix(**engine.rates(), idle=f"{engine.idle_fraction():.0%}")
         bar.close()
-        parallel.note_kv(engine.pool)  # this rank's KV bytes, for metrics.json's layout record
+        self.team.note_kv(engine.pool)  # this rank's KV bytes, for metrics.json's layout record
         return results
 
     def _jobs(self, i: int, p: Prompt, results: list) -> list:

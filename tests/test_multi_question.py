@@ -132,8 +132,8 @@ def test_longbench_cot_is_refused_in_multi_question_mode():
 
 def test_the_next_question_is_the_chat_templates_next_turn():
     from evalkit.config import model_spec
-    from evalkit.models import tokenizer_path
     from evalkit.request import next_turn_text
+    from evalkit.sources import tokenizer_path
     from evalkit.task import get_tokenizer
 
     tok = get_tokenizer(tokenizer_path(model_spec("smollm2_135m")))

@@ -48,7 +48,7 @@ class Context:
     def _load(self) -> tuple:
         if self._loaded is None:
             from evalkit.config import model_spec
-            from evalkit.models import load_model
+            from evalkit.loading import load_model
 
             self._loaded = load_model(model_spec(self.model_name))
         return self._loaded

@@ -25,7 +25,7 @@ def memory_child(length: int, budget: int) -> dict:
     """In this (fresh) process: load, prefill `length` tokens into one method's cache (budget 0 = full),
     decode 16 steps; resident memory at each stage."""
     from evalkit.config import model_spec
-    from evalkit.models import load_model
+    from evalkit.loading import load_model
 
     model, tok = load_model(model_spec("smollm2_135m"))
     proc = psutil.Process()

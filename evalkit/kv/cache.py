@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from evalkit.kv.attention import hand_off
 from evalkit.kv.layout import Rows, plan_rows, ring_slot, valid_columns
-from evalkit.kv.select import group_mean, place_topk
+from evalkit.kv.select import Agree, group_mean, own, place_topk
 
 
 class KVLayer(CacheLayerMixin):
@@ -103,7 +103,7 @@ class KVLayer(CacheLayerMixin):
             scores = group_mean(method.score(query, attn_keys, rows.candidates, rows.pad, scaling), h)
         if self.cache.has_topk:
             ranked = scores.masked_fill(~rows.candidates[:, None], float("-inf"))  # h2o's are unrestricted
-            place_topk(pos, ranked, rows, method.blocks())
+            place_topk(pos, ranked, rows, method.blocks(), self.cache.agree)
         src = (pos.clamp(min=0) + rows.pad[:, None, None]).unsqueeze(-1)  # (B, H, n, 1) prompt columns
         empty = (pos < 0).unsqueeze(-1)
         cap = rows.valid.shape[1]
@@ -151,9 +151,17 @@ class KVCache(Cache):
     static = False  # what attention and transformers' compile check read: the dynamic cache is never compiled
 
     def __init__(
-        self, method, num_layers: int, attn_name="evalkit", record=None, replay=None, max_new_tokens=None
+        self,
+        method,
+        num_layers: int,
+        attn_name="evalkit",
+        record=None,
+        replay=None,
+        max_new_tokens=None,
+        agree: Agree = own,
     ):
         self.method, self.attn_name = method, attn_name
+        self.agree = agree  # kept indices -> the ones every TP rank keeps (evalkit.team: `cache_agree`)
         self.record, self.replay = record, replay  # evalkit.kv.prefill: share one prefill across budgets
         self.max_new_tokens = self._check_max_new(max_new_tokens)
         self.rows: Rows | None = None
@@ -167,10 +175,12 @@ class KVCache(Cache):
         super().__init__(layers=[KVLayer(self, i) for i in range(num_layers)])
 
     @classmethod
-    def for_model(cls, method, model, record=None, replay=None, max_new_tokens: int | None = None):
+    def for_model(
+        cls, method, model, record=None, replay=None, max_new_tokens: int | None = None, agree: Agree = own
+    ):
         config = model.config.get_text_config()
         layers, attn = config.num_hidden_layers, model.config._attn_implementation
-        return cls(method, layers, attn, record, replay, max_new_tokens)
+        return cls(method, layers, attn, record, replay, max_new_tokens, agree)
 
     def _check_max_new(self, max_new_tokens):
         return max_new_tokens  # the dynamic cache grows as it goes: any budget, or none

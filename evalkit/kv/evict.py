@@ -27,7 +27,7 @@ def evicted_slot(layer, pool) -> torch.Tensor:
     older = layer.pos < (pool._slot_pos - pool._recent)[:, None, None]  # (B, H, cap)
     mine = pool.rows.valid & (torch.arange(cap, device=layer.pos.device) < pool._slots[:, None])  # (B, cap)
     score = layer.acc.masked_fill(~(older & mine[:, None, :]), float("inf"))
-    return select.top_indices(-score, 1)[..., 0]
+    return select.top_indices(-score, 1, pool.agree)[..., 0]
 
 
 def add_attention(layer, query, key, mask, scaling: float) -> None:
@@ -79,7 +79,7 @@ def refit_row(pool, r: int) -> None:
         scores = window_scores(
             layer.queries[r], layer.keys[r], pos, valid, qpos, layer.scaling, method.pool_kernel
         )
-        keep = select.top_indices(scores, target)  # (H, target) slots
+        keep = select.top_indices(scores, target, pool.agree)  # (H, target) slots
         keep = keep.gather(-1, pos.gather(-1, keep).argsort(dim=-1))  # in position order
         for buf in (layer.keys, layer.values):
             buf[r, :, :target] = buf[r].gather(1, keep[..., None].expand(-1, -1, buf.shape[-1]))

@@ -27,7 +27,7 @@ class SlotPool(StaticKVCache):
     def shaped_like(cls, like: KVCache, batch: int, capacity: int) -> SlotPool:
         """An empty pool shaped like the prefilled one-row cache `like` (layers, heads, head dims, dtype,
         device)."""
-        pool = cls(like.method, len(like.layers), like.attn_name, max_new_tokens=1)
+        pool = cls(like.method, len(like.layers), like.attn_name, max_new_tokens=1, agree=like.agree)
         dev = like.rows.valid.device
         rows = Rows(
             lengths=[0] * batch,

@@ -18,10 +18,10 @@ and left-pad columns masked so a padded batch row ranks exactly as that prompt a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-
-from evalkit.parallel import agree_kept
 
 # Scores for one head chunk are (B, H, g, w, T) floats; chunk the heads so 128k-token prompts stay bounded.
 _MAX_SCORE_ELEMENTS = 1 << 27
@@ -88,11 +88,22 @@ def group_mean(scores: torch.Tensor, num_cache_heads: int) -> torch.Tensor:
     return scores.view(b, num_cache_heads, h_attn // num_cache_heads, t).mean(dim=2)
 
 
-def place_topk(pos: torch.Tensor, scores: torch.Tensor, rows, blocks: tuple[int, int, int]) -> None:
+def own(indices: torch.Tensor) -> torch.Tensor:
+    """The default `agree`: this process's choice as it is (one process, or per-rank KV heads under TP)."""
+    return indices
+
+
+Agree = Callable[[torch.Tensor], torch.Tensor]  # kept indices -> the indices every TP rank keeps
+
+
+def place_topk(
+    pos: torch.Tensor, scores: torch.Tensor, rows, blocks: tuple[int, int, int], agree: Agree = own
+) -> None:
     """Each KV head's top-K prompt positions, in order, into the top-K block of pos (B, H, n), in place.
 
     scores (B, H, T) per KV head, -inf outside a row's candidates; a row's slots past its valid top-K stay -1
-    (empty), and rows kept whole (no top-K) keep their tail in those slots."""
+    (empty), and rows kept whole (no top-K) keep their tail in those slots. `agree` makes the kept positions
+    one choice across processes that must keep alike (the cache's: TP ranks of replicated attention, MLA)."""
     b, h, t = scores.shape
     sink, tail_long, topk = blocks
     best = scores.topk(min(topk, t), dim=-1)  # -inf past a row's valid_topk
@@ -100,17 +111,17 @@ def place_topk(pos: torch.Tensor, scores: torch.Tensor, rows, blocks: tuple[int,
     picked[..., : best.indices.shape[-1]] = torch.where(
         best.values > float("-inf"), best.indices - rows.pad[:, None, None], t
     )
-    picked = agree_kept(picked.sort(dim=-1).values)  # kept positions in order, then the padding (t)
+    picked = agree(picked.sort(dim=-1).values)  # kept positions in order, then the padding (t)
     block = slice(sink + tail_long, sink + tail_long + topk)
     picked = torch.where(picked < t, picked, -1)
     selecting = (rows.topk > 0)[:, None, None]  # rows kept whole use these slots for their tail
     pos[:, :, block] = torch.where(selecting, picked, pos[:, :, block])
 
 
-def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+def top_indices(scores: torch.Tensor, k: int, agree: Agree = own) -> torch.Tensor:
     """(..., k) indices of the k highest scores along the last axis: the one place where the decode-time
-    methods turn scores into kept (or, negated, evicted) entries, agreed across TP ranks like `place_topk`."""
-    return agree_kept(scores.topk(k, dim=-1).indices)
+    methods turn scores into kept (or, negated, evicted) entries, agreed (`agree`) like `place_topk`."""
+    return agree(scores.topk(k, dim=-1).indices)
 
 
 def accumulated_attention(query, keys, pad: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -2,12 +2,11 @@
 
 The paper's case (SnapStream, arXiv 2511.03092, Table 5) is DeepSeek-R1 on 16 SambaNova SN40L sockets;
 any Hugging Face config, hardware (`conf/hardware/*.yaml`), context length and budget work. Modules:
-`model` (KV geometry and weights from a config), `layout` (per-GPU bytes of a torchrun layout, as
+`model` (KV geometry and weights from a config), `sharding` (per-GPU bytes of a torchrun layout, as
 transformers' tensor-parallel plan shards the model), `sim` (placement, max batch, step time), `report`
 (sweep, Table 5 check, measured runs), `render` (Markdown and plots); `python -m evalkit.memory` runs it.
 """
 
-from evalkit.memory.layout import GpuLayout, gpu_layout
 from evalkit.memory.model import (
     KVGeometry,
     MemoryReportError,
@@ -17,22 +16,23 @@ from evalkit.memory.model import (
     model_spec,
 )
 from evalkit.memory.report import measured_rows, paper_check, sweep_rows, write_report
+from evalkit.memory.sharding import Sharding, shard_model
 from evalkit.memory.sim import Deployment, Hardware, kv_entries
 
 __all__ = [
     "Deployment",
-    "GpuLayout",
     "Hardware",
     "KVGeometry",
     "MemoryReportError",
     "ModelSpec",
+    "Sharding",
     "count_parameters",
-    "gpu_layout",
     "kv_entries",
     "kv_geometry",
     "measured_rows",
     "model_spec",
     "paper_check",
+    "shard_model",
     "sweep_rows",
     "write_report",
 ]

@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, never a display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from evalkit.memory.layout import GpuLayout  # noqa: E402
+from evalkit.memory.sharding import Sharding  # noqa: E402
 from evalkit.memory.sim import GB, TB, Deployment, GiB, MiB  # noqa: E402
 from evalkit.results import save_figure  # noqa: E402
 
@@ -144,25 +144,25 @@ def _placement(rows: list[dict]) -> str:
     return _table(headers, lines)
 
 
-def _layout(layout: GpuLayout, per_gpu: list[dict]) -> str:
+def _sharding(sharding: Sharding, per_gpu: list[dict]) -> str:
     """The torchrun layout: what every GPU holds, then one request per sweep row."""
-    kv = layout.kv
+    kv = sharding.kv
     heads = (
-        f"{layout.kv_heads_gpu} of {kv.cached_heads} KV heads per layer"
+        f"{sharding.kv_heads_gpu} of {kv.cached_heads} KV heads per layer"
         if kv.layout == "per_head"
         else "the whole MLA latent (attention is not sharded: replicated on every rank)"
     )
     split = (
-        f"of the whole model's {_gib(layout.sharded_bytes + layout.replicated_bytes)} GiB, "
-        f"{_gib(layout.sharded_bytes)} GiB are split {layout.tp}-way by the tensor-parallel plan and "
-        f"{_gib(layout.replicated_bytes)} GiB are on every GPU"
-        if layout.tp > 1
+        f"of the whole model's {_gib(sharding.sharded_bytes + sharding.replicated_bytes)} GiB, "
+        f"{_gib(sharding.sharded_bytes)} GiB are split {sharding.tp}-way by the tensor-parallel plan and "
+        f"{_gib(sharding.replicated_bytes)} GiB are on every GPU"
+        if sharding.tp > 1
         else "no tensor parallelism: the whole model on every GPU"
     )
     setup = (
-        f"{layout.world} processes (tp_size {layout.tp} x dp_size {layout.dp}), {layout.nodes} node(s) of "
-        f"{layout.gpus_per_node} GPUs. Weights per GPU: {_gib(layout.weight_bytes_gpu)} GiB "
-        f"({layout.parameters / 1e9:.3f} B parameters as transformers builds the model; {split}). "
+        f"{sharding.world} processes (tp_size {sharding.tp} x dp_size {sharding.dp}), {sharding.nodes} "
+        f"node(s) of {sharding.gpus_per_node} GPUs. Weights per GPU: {_gib(sharding.weight_bytes_gpu)} GiB "
+        f"({sharding.parameters / 1e9:.3f} B parameters as transformers builds the model; {split}). "
         f"KV per GPU: {heads}."
     )
     headers = ["context", "cache", "entries", "weights GiB", "KV GiB (1 request)", "HBM free GiB", "fits"]
@@ -317,10 +317,10 @@ def render_markdown(dep: Deployment, cfg: dict, tables: dict, paths: dict[str, P
     if tables["skipped"]:
         parts.append("Skipped (budget above the context): " + "; ".join(tables["skipped"]) + ".")
     if tables.get("layout"):
-        layout = tables["layout"]
+        sharding = tables["layout"]
         parts += [
-            f"## GPU layout: TP{layout.tp} x DP{layout.dp} under transformers' tensor-parallel plan",
-            _layout(layout, tables["per_gpu"]),
+            f"## GPU layout: TP{sharding.tp} x DP{sharding.dp} under transformers' tensor-parallel plan",
+            _sharding(sharding, tables["per_gpu"]),
         ]
     if paper:
         parts += [

@@ -10,8 +10,8 @@ from typing import Any
 import pandas as pd
 
 from evalkit import metrics as metrics_record
-from evalkit.memory.layout import GpuLayout, gpu_layout
 from evalkit.memory.model import MemoryReportError, kv_geometry, load_hf_config, model_spec
+from evalkit.memory.sharding import Sharding, shard_model
 from evalkit.memory.sim import Deployment, GiB, Hardware, canonical_method, kv_entries
 from evalkit.memory.validate import validate
 
@@ -49,7 +49,7 @@ def deployment(cfg: dict) -> Deployment:
     return Deployment(spec, hw, par["tp"], par["attention"], float(cfg["mtp_factor"]))
 
 
-def layout_of(dep: Deployment, cfg: dict) -> GpuLayout | None:
+def sharding_of(dep: Deployment, cfg: dict) -> Sharding | None:
     """The torchrun layout `parallel.tp_size` x `parallel.dp_size`, or None for one process (tp = dp = 1:
     the report is then exactly the single-device one)."""
     tp, dp = cfg["parallel"].get("tp_size", 1), cfg["parallel"].get("dp_size", 1)
@@ -57,31 +57,31 @@ def layout_of(dep: Deployment, cfg: dict) -> GpuLayout | None:
         return None
     m = cfg["model"]
     other = m.get("other_dtype") or m["weight_dtype"]
-    return gpu_layout(hf_config_of(m), dep.model.kv, tp, dp, dep.hw.sockets, m["weight_dtype"], other)
+    return shard_model(hf_config_of(m), dep.model.kv, tp, dp, dep.hw.sockets, m["weight_dtype"], other)
 
 
-def layout_rows(layout: GpuLayout, dep: Deployment, rows: list[dict]) -> list[dict[str, Any]]:
+def per_gpu_rows(sharding: Sharding, dep: Deployment, rows: list[dict]) -> list[dict[str, Any]]:
     """Per GPU, for one request of each sweep row: weights, KV at the row's cache size, HBM left, whether it
     fits, and how many such requests one GPU could hold at once."""
     out = []
     for r in rows:
-        kv = layout.kv_bytes_gpu(r["kv_entries"])
-        room = dep.hw.hbm_bytes - layout.weight_bytes_gpu
+        kv = sharding.kv_bytes_gpu(r["kv_entries"])
+        room = dep.hw.hbm_bytes - sharding.weight_bytes_gpu
         out.append(
             {
                 "model": r["model"],
                 "hardware": r["hardware"],
-                "tp_size": layout.tp,
-                "dp_size": layout.dp,
-                "world_size": layout.world,
-                "nodes": layout.nodes,
+                "tp_size": sharding.tp,
+                "dp_size": sharding.dp,
+                "world_size": sharding.world,
+                "nodes": sharding.nodes,
                 "context": r["context"],
                 "decode": r["decode"],
                 "method": r["method"],
                 "budget": r["budget"],
                 "kv_entries": r["kv_entries"],
-                "kv_heads_gpu": layout.kv_heads_gpu,
-                "weight_bytes_gpu": layout.weight_bytes_gpu,
+                "kv_heads_gpu": sharding.kv_heads_gpu,
+                "weight_bytes_gpu": sharding.weight_bytes_gpu,
                 "kv_bytes_gpu": kv,
                 "hbm_bytes_gpu": dep.hw.hbm_bytes,
                 "hbm_free_bytes": room - kv,
@@ -245,21 +245,21 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
     return rows, notes
 
 
-def check(cfg: dict) -> tuple[Deployment, list[dict], list[str], GpuLayout | None]:
+def check(cfg: dict) -> tuple[Deployment, list[dict], list[str], Sharding | None]:
     """Everything that can fail on bad input, before anything is written: the settings, the model and
-    mapping, the sweep, the GPU layout. Returns (deployment, sweep rows, skipped cells, layout)."""
+    mapping, the sweep, the GPU layout. Returns (deployment, sweep rows, skipped cells, sharding)."""
     validate(cfg)
     dep = deployment(cfg)
     rows, skipped = sweep_rows(dep, cfg)
-    return dep, rows, skipped, layout_of(dep, cfg)
+    return dep, rows, skipped, sharding_of(dep, cfg)
 
 
 def write_report(cfg: dict) -> dict[str, Path]:
     """Compute everything and write report.csv, report.md and the plots under `<results_dir>/memory/`."""
     from evalkit.memory.render import render_markdown, write_plots  # matplotlib only when writing
 
-    dep, rows, skipped, layout = check(cfg)
-    per_gpu = layout_rows(layout, dep, rows) if layout else []
+    dep, rows, skipped, sharding = check(cfg)
+    per_gpu = per_gpu_rows(sharding, dep, rows) if sharding else []
     paper = paper_check(dep, cfg) if cfg["paper_check"] else []
     measured, notes = measured_rows(cfg["results_dir"])
     out = Path(cfg["results_dir"]) / "memory"
@@ -267,12 +267,12 @@ def write_report(cfg: dict) -> dict[str, Path]:
     paths = {"csv": out / "report.csv", "md": out / "report.md"}
     frame = pd.DataFrame(rows).astype({"budget": "Int64"})  # full has no budget: keep the column integral
     frame.to_csv(paths["csv"], index=False)
-    if layout:
+    if sharding:
         paths["layout"] = out / "layout.csv"
         pd.DataFrame(per_gpu).astype({"budget": "Int64"}).to_csv(paths["layout"], index=False)
     paths |= write_plots(rows, out, f"{dep.model.name} on {dep.hw.sockets} x {dep.hw.name}")
     tables = {"rows": rows, "skipped": skipped, "paper": paper, "measured": measured, "notes": notes}
-    tables |= {"layout": layout, "per_gpu": per_gpu}
+    tables |= {"layout": sharding, "per_gpu": per_gpu}
     paths["md"].write_text(render_markdown(dep, cfg, tables, paths))
     for r in paper:
         log.info(

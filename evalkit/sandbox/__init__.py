@@ -63,7 +63,7 @@ class RunResult:
 
 
 _probe_lock = threading.Lock()
-_probed: dict | None = None
+_probed: dict = {}  # this machine's isolation, probed once per process (a fact of the host, not of a run)
 
 
 def isolation() -> dict:
@@ -72,9 +72,8 @@ def isolation() -> dict:
     "user": "uid-drop"|"userns"|None, "seccomp": bool (no new namespaces), "memory": "cgroup"|"nofork"|None
     (what bounds the whole program's memory: a cgroup's memory.max, or RLIMIT_AS on the one process it
     may have)}. Later runs require exactly this (no silent downgrade)."""
-    global _probed
     with _probe_lock:
-        if _probed is None:
+        if not _probed:
             try:
                 parent = _host.cgroup_parent()
             except ValueError as e:
@@ -90,7 +89,7 @@ def isolation() -> dict:
             joined = any(m.get("cgroup") for m in msgs)
             got["memory"] = "cgroup" if joined else "nofork" if got["seccomp"] else None
             got["cgroup"] = parent if joined else None
-            _probed = got
+            _probed.update(got)
         return dict(_probed)
 
 

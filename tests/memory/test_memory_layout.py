@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from evalkit.config import compose
-from evalkit.memory import MemoryReportError, gpu_layout, kv_geometry, write_report
+from evalkit.memory import MemoryReportError, kv_geometry, shard_model, write_report
 from evalkit.memory.sim import GiB
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ def fp32(name, p) -> int:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_llama_weights_per_gpu_follow_the_split_of_every_tensor(tp):
     params = meta_params(LlamaForCausalLM, LlamaConfig, TINY_LLAMA)
-    layout = gpu_layout(TINY_LLAMA, kv_geometry(TINY_LLAMA, "float32"), tp, 1, 8, "float32", "float32")
+    layout = shard_model(TINY_LLAMA, kv_geometry(TINY_LLAMA, "float32"), tp, 1, 8, "float32", "float32")
     assert layout.weight_bytes_gpu == expected_gpu_bytes(params, LLAMA_SPLIT, tp, fp32)
     assert layout.parameters == sum(p.numel() for p in params.values())
     replicated = sum(4 * p.numel() for n, p in params.items() if "norm" in n or n.endswith("o_proj.bias"))
@@ -109,7 +109,7 @@ def test_llama_weights_per_gpu_follow_the_split_of_every_tensor(tp):
 
 def test_llama_kv_heads_are_split_across_ranks():
     """2 KV heads at TP2: one per rank; the bytes one GPU holds for a request of N cached tokens."""
-    layout = gpu_layout(TINY_LLAMA, kv_geometry(TINY_LLAMA, "bfloat16"), 2, 1, 8, "float32", "float32")
+    layout = shard_model(TINY_LLAMA, kv_geometry(TINY_LLAMA, "bfloat16"), 2, 1, 8, "float32", "float32")
     head_dim = 64 // 4
     assert layout.kv_heads_gpu == 1
     # layers x heads per rank x (K + V) x bf16 bytes x tokens
@@ -119,7 +119,7 @@ def test_llama_kv_heads_are_split_across_ranks():
 def test_deepseek_shards_only_mlp_and_experts_and_replicates_the_mla_latent():
     params = meta_params(DeepseekV3ForCausalLM, DeepseekV3Config, TINY_DEEPSEEK)
     assert "model.layers.1.mlp.experts.gate_up_proj" in params  # experts are 3-D tensors in this version
-    layout = gpu_layout(TINY_DEEPSEEK, kv_geometry(TINY_DEEPSEEK, "float32"), 2, 1, 8, "float32", "float32")
+    layout = shard_model(TINY_DEEPSEEK, kv_geometry(TINY_DEEPSEEK, "float32"), 2, 1, 8, "float32", "float32")
     assert layout.weight_bytes_gpu == expected_gpu_bytes(params, DEEPSEEK_SPLIT, 2, fp32)
     attention = sum(4 * p.numel() for n, p in params.items() if ".self_attn." in n)
     assert attention > 0 and layout.replicated_bytes >= attention  # MLA attention on every rank
@@ -139,33 +139,33 @@ def test_fp8_layer_matrices_and_bf16_embeddings_norms_routers():
 
     assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in params
     assert "model.layers.1.mlp.gate.weight" in params  # the router: bf16
-    layout = gpu_layout(TINY_DEEPSEEK, kv_geometry(TINY_DEEPSEEK, "bf16"), 2, 1, 8, "fp8", "bfloat16")
+    layout = shard_model(TINY_DEEPSEEK, kv_geometry(TINY_DEEPSEEK, "bf16"), 2, 1, 8, "fp8", "bfloat16")
     assert layout.weight_bytes_gpu == expected_gpu_bytes(params, DEEPSEEK_SPLIT, 2, stored)
 
 
 def test_data_parallel_replicas_add_gpus_not_bytes():
     kv = kv_geometry(TINY_LLAMA, "float32")
-    one, four = (gpu_layout(TINY_LLAMA, kv, 1, dp, 8, "float32", "float32") for dp in (1, 4))
+    one, four = (shard_model(TINY_LLAMA, kv, 1, dp, 8, "float32", "float32") for dp in (1, 4))
     assert four.weight_bytes_gpu == one.weight_bytes_gpu and four.kv_bytes_gpu(7) == one.kv_bytes_gpu(7)
     assert (four.world, four.nodes) == (4, 1)
-    two_nodes = gpu_layout(TINY_DEEPSEEK, kv_geometry(TINY_DEEPSEEK, "float32"), 16, 1, 8, "fp8", "bf16")
+    two_nodes = shard_model(TINY_DEEPSEEK, kv_geometry(TINY_DEEPSEEK, "float32"), 16, 1, 8, "fp8", "bf16")
     assert (two_nodes.world, two_nodes.nodes) == (16, 2)
 
 
 def test_kv_heads_not_divisible_by_tp_is_refused_as_transformers_would():
     with pytest.raises(MemoryReportError, match=r"parallel.tp_size=4 does not divide num_key_value_heads=2"):
-        gpu_layout(TINY_LLAMA, kv_geometry(TINY_LLAMA, "float32"), 4, 1, 8, "float32", "float32")
+        shard_model(TINY_LLAMA, kv_geometry(TINY_LLAMA, "float32"), 4, 1, 8, "float32", "float32")
 
 
 def test_a_world_that_is_not_whole_nodes_is_refused():
     with pytest.raises(MemoryReportError, match=r"12 GPUs is not a whole number of 8-GPU nodes"):
-        gpu_layout(TINY_DEEPSEEK, kv_geometry(TINY_DEEPSEEK, "float32"), 12, 1, 8, "float32", "float32")
+        shard_model(TINY_DEEPSEEK, kv_geometry(TINY_DEEPSEEK, "float32"), 12, 1, 8, "float32", "float32")
 
 
 def test_a_config_without_model_type_names_the_field():
     fields = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
     with pytest.raises(MemoryReportError, match="lacks 'model_type'"):
-        gpu_layout(fields, kv_geometry(fields, "float32"), 2, 1, 8, "float32", "float32")
+        shard_model(fields, kv_geometry(fields, "float32"), 2, 1, 8, "float32", "float32")
 
 
 # --- the report -------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The layout of a multi-process run (no process group needed): its checks, torchrun's and SLURM's
+"""The ranks of a multi-process run (no process group needed): their checks, torchrun's and SLURM's
 environments, the DP split, journal shards, and the layout's absence from a result's identity."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import os
 
 import pytest
 
-from evalkit import parallel
 from evalkit.config import ConfigError, compose
 from evalkit.identity import generation_yaml
-from evalkit.journal import Journal
+from evalkit.journal import Journal, adopt_shards, fold_shards, shard_path
+from evalkit.loading import device_map
+from evalkit.team import Ranks, Team, first_host, world_from_env
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
 
@@ -34,13 +35,13 @@ def cfg(**block):
 def test_layout_from_the_config_and_the_environment(block, env, want, monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    lay = parallel.layout(cfg(**block), env)
+    lay = Ranks.from_config(cfg(**block), env)
     assert (lay.tp, lay.dp, lay.rank, lay.backend) == want
 
 
 def test_tp_and_dp_lay_ranks_out_replica_by_replica():
     """rank = dp_rank x tp + tp_rank: a replica's TP group is tp consecutive ranks, its first the TP root."""
-    lays = [parallel.Layout(tp=2, dp=2, rank=r) for r in range(4)]
+    lays = [Ranks(tp=2, dp=2, rank=r) for r in range(4)]
     assert [(x.dp_rank, x.tp_rank, x.writer, x.journals) for x in lays] == [
         (0, 0, True, True), (0, 1, False, False), (1, 0, False, True), (1, 1, False, False)
     ]  # fmt: skip
@@ -68,7 +69,7 @@ def test_tp_and_dp_lay_ranks_out_replica_by_replica():
 )
 def test_a_layout_that_cannot_run_is_refused(block, env, message):
     with pytest.raises(ConfigError) as e:
-        parallel.layout(cfg(**block), env)
+        Ranks.from_config(cfg(**block), env)
     assert message in str(e.value)
 
 
@@ -76,17 +77,17 @@ def test_slurm_sets_the_master_address_from_its_node_list(monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "16", "SLURM_NODELIST": "gpu[03-04]"}
-    assert parallel.world_from_env(env) == (0, 16, 0)
-    assert parallel.first_host("gpu[03-05,09],cpu1") == "gpu03"
-    assert parallel.first_host("node7") == "node7"
+    assert world_from_env(env) == (0, 16, 0)
+    assert first_host("gpu[03-05,09],cpu1") == "gpu03"
+    assert first_host("node7") == "node7"
     assert os.environ["MASTER_ADDR"] == "gpu03"
 
 
-def test_replicas_split_the_requests_between_them(monkeypatch):
+def test_replicas_split_the_requests_between_them():
     split = []
     for r in range(3):
-        monkeypatch.setattr(parallel, "LAYOUT", parallel.Layout(dp=3, rank=r))
-        split.append([i for i in range(10) if parallel.owns(i)])
+        team = Team(Ranks(dp=3, rank=r))
+        split.append([i for i in range(10) if team.owns(i)])
     assert split == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
 
 
@@ -99,11 +100,11 @@ def test_shards_count_as_done_and_fold_into_one_journal(tmp_path):
     removes the shard; a shard with a line it cannot read is kept (nothing is lost)."""
     (tmp_path / "generations.dp1.jsonl").write_text(json.dumps(rec("t/1/0/0")) + "\n")
     (tmp_path / "generations.dp2.jsonl").write_text(json.dumps(rec("t/2/0/0")) + "\nnot json\n")
-    journal = Journal(parallel.shard_path(tmp_path, 0))
+    journal = Journal(shard_path(tmp_path, 0))
     journal.append(rec("t/0/0/0"))
-    parallel.adopt_shards(journal)
+    adopt_shards(journal)
     assert set(journal.records) == {"t/0/0/0", "t/1/0/0", "t/2/0/0"}
-    parallel.fold_shards(journal)
+    fold_shards(journal)
     journal.close()
     lines = [json.loads(x)["key"] for x in journal.path.read_text().splitlines()]
     assert lines == ["t/0/0/0", "t/1/0/0", "t/2/0/0"]
@@ -117,14 +118,13 @@ def test_the_layout_is_no_part_of_a_runs_identity():
     assert generation_yaml(one) == generation_yaml(tp)
 
 
-def test_a_served_model_is_refused_under_several_processes(monkeypatch):
+def test_a_served_model_is_refused_under_several_processes():
     from evalkit.served import ServedSpec
 
     spec = ServedSpec(name="served", base_url="http://127.0.0.1:8000/v1", tokenizer="smollm2_135m")
-    parallel.check_model(spec)  # one process: fine
-    monkeypatch.setattr(parallel, "LAYOUT", parallel.Layout(tp=2, rank=1))
+    Team.single().check_model(spec)  # one process: fine
     with pytest.raises(ConfigError) as e:
-        parallel.check_model(spec)
+        Team(Ranks(tp=2, rank=1)).check_model(spec)
     assert str(e.value) == (
         "model served is served at http://127.0.0.1:8000/v1: its server does the parallel work; run it with "
         "NPROC=1 (this run started 2 processes)"
@@ -134,15 +134,14 @@ def test_a_served_model_is_refused_under_several_processes(monkeypatch):
 @pytest.mark.parametrize(
     "lay, requested, want",
     [
-        (parallel.Layout(), "auto", "auto"),  # one process: the conf's own placement
-        (parallel.Layout(dp=8, rank=5, local_rank=5, backend="nccl"), "auto", "cuda:5"),  # its own GPU
-        (parallel.Layout(dp=2, rank=1, backend="gloo"), None, None),  # CPU replicas
-        (parallel.Layout(tp=8, rank=3, local_rank=3, backend="nccl"), None, None),  # TP: transformers places
+        (Ranks(), "auto", "auto"),  # one process: the conf's own placement
+        (Ranks(dp=8, rank=5, local_rank=5, backend="nccl"), "auto", "cuda:5"),  # its own GPU
+        (Ranks(dp=2, rank=1, backend="gloo"), None, None),  # CPU replicas
+        (Ranks(tp=8, rank=3, local_rank=3, backend="nccl"), None, None),  # TP: transformers places
     ],
 )
-def test_each_gpu_replica_loads_onto_its_own_gpu(lay, requested, want, monkeypatch):
-    monkeypatch.setattr(parallel, "LAYOUT", lay)
-    assert parallel.device_map(requested) == want
+def test_each_gpu_replica_loads_onto_its_own_gpu(lay, requested, want):
+    assert device_map(lay, requested) == want
 
 
 def test_the_next_command_after_a_parallel_run_starts_as_many_processes(tmp_path, monkeypatch, capsys):
@@ -159,20 +158,17 @@ def test_the_next_command_after_a_parallel_run_starts_as_many_processes(tmp_path
     monkeypatch.setattr(summary, "_same_args", lambda: ' ARGS="parallel.tp_size=2 parallel.dp_size=2"')
     summary.next_step([plan])
     assert 'make eval METHOD=full ARGS="parallel.tp_size=2' in capsys.readouterr().out  # one process
-    monkeypatch.setattr(parallel, "LAYOUT", parallel.Layout(tp=2, dp=2))
-    summary.next_step([plan])
+    summary.next_step([plan], world=4)
     said = capsys.readouterr().out
     assert 'next: the full-cache reference on the same problems: make eval METHOD=full NPROC=4 ARGS="' in said
     plan.method.name = "full"
-    summary.next_step([plan])
+    summary.next_step([plan], world=4)
     assert "(make eval METHOD=snapstream BUDGET=256 NPROC=4 ARGS=" in capsys.readouterr().out
 
 
-def test_the_layout_record_names_every_ranks_gpu(monkeypatch):
+def test_the_layout_record_names_every_ranks_gpu():
     """Two nodes of 2 GPUs, TP=2 x DP=2 under nccl: ranks 0-3 sit on cuda:0, cuda:1 of each node (the local
-    ranks gathered after generation), not on cuda:0..tp-1."""
-    monkeypatch.setattr(parallel, "LAYOUT", parallel.Layout(tp=2, dp=2, backend="nccl"))
-    monkeypatch.setattr(parallel, "LOCAL_RANKS", [0, 1, 0, 1])
-    assert parallel.provenance()["devices"] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
-    monkeypatch.setattr(parallel, "LAYOUT", parallel.Layout(dp=2, backend="gloo"))
-    assert parallel.provenance()["devices"] == ["cpu", "cpu"]
+    ranks gathered when the team starts), not on cuda:0..tp-1."""
+    team = Team(Ranks(tp=2, dp=2, backend="nccl"), local_ranks=[0, 1, 0, 1])
+    assert team.provenance()["devices"] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert Team(Ranks(dp=2, backend="gloo")).provenance()["devices"] == ["cpu", "cpu"]

@@ -40,9 +40,9 @@ def prompts() -> list[list[int]]:
 DTYPE = {"llama": "float64", "deepseek_v3": "float32"}
 
 
-def observe(arch: str, methods: dict = METHODS) -> dict:
+def observe(arch: str, methods: dict = METHODS, team=None) -> dict:
     """{method: {"kept": [[layer][head] positions] per prompt, "tokens": {sampling: [tokens per prompt]},
-    "margin": smallest greedy top-2 logit margin}}."""
+    "margin": smallest greedy top-2 logit margin}} on this process of `team` (one process by default)."""
     from transformers import GenerationConfig
 
     from evalkit.engine import Engine, Request
@@ -50,21 +50,24 @@ def observe(arch: str, methods: dict = METHODS) -> dict:
     from evalkit.kv.config import make_method
     from evalkit.loading import load_model
     from evalkit.models import ModelSpec
+    from evalkit.team import Team
 
+    team = team or Team.single()
     spec = ModelSpec(name=f"tiny_{arch}", random=TINY[arch], tokenizer="smollm2_135m", dtype=DTYPE[arch])
-    model, tokenizer = load_model(spec)
+    model, tokenizer = load_model(spec, team)
+    agree = team.cache_agree(model)
     out = {}
     for name, settings in methods_for(arch, methods).items():
         method = make_method(name, **settings)
         kept = []
         for ids in prompts():
-            cache = KVCache.for_model(method, model)
+            cache = KVCache.for_model(method, model, agree=agree)
             with torch.inference_mode():
                 model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
             kept.append([cache.positions(i)[0].tolist() for i in range(len(cache.layers))])
         tokens, margin = {}, float("inf")
         for mode, gen in SAMPLING.items():
-            engine = Engine(model, tokenizer, eos_ids=[], rows=2)
+            engine = Engine(model, tokenizer, eos_ids=[], rows=2, team=team)
             reqs = [
                 Request(str(i), ids, 12, method, GenerationConfig(**gen), seed=100 + i, keep_logits=True)
                 for i, ids in enumerate(prompts())
@@ -78,33 +81,33 @@ def observe(arch: str, methods: dict = METHODS) -> dict:
     return out
 
 
-def perturbed(arch: str, rank: int) -> dict:
+def perturbed(arch: str, team) -> dict:
     """SnapKV's kept positions and tokens with this rank's scores perturbed (rank 0's left as they are)."""
     import evalkit.kv.cache as cache
 
     mean = cache.group_mean
-    if rank:
+    if team.ranks.rank:
         cache.group_mean = lambda scores, h: mean(scores, h) + torch.rand_like(mean(scores, h))
     try:
-        got = observe(arch, {"snapkv": METHODS["snapkv"]})["snapkv"]
+        got = observe(arch, {"snapkv": METHODS["snapkv"]}, team)["snapkv"]
     finally:
         cache.group_mean = mean
     return {"kept": got["kept"], "tokens": got["tokens"]}
 
 
 def tp_main(rank: int, world: int, port: int, archs: tuple, folder: str) -> None:
-    """One rank of a TP=world run: joins the group through evalkit.parallel, writes what it observed."""
+    """One rank of a TP=world run: joins the group through evalkit.team, writes what it observed."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    from evalkit import parallel
+    from evalkit.team import Ranks, Team
 
-    parallel.init(parallel.layout({"parallel": {"tp_size": world, "dp_size": 1}}))
+    team = Team.start(Ranks.from_config({"parallel": {"tp_size": world, "dp_size": 1}}))
     try:
-        result = {arch: observe(arch) for arch in archs}
-        result["deepseek_v3"]["perturbed"] = perturbed("deepseek_v3", rank)
+        result = {arch: observe(arch, team=team) for arch in archs}
+        result["deepseek_v3"]["perturbed"] = perturbed("deepseek_v3", team)
     finally:
-        parallel.teardown()
+        team.leave()
     with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 

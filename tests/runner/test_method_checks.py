@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 
 import evalkit.run as runner
-from evalkit import parallel
 from evalkit.config import ConfigError, compose
-from evalkit.models import model_config, resolve_source
+from evalkit.sources import model_config, resolve_source
 from tests.conftest import fresh_run
 
 SMALL = ["limit=1", "model.max_new_tokens=4", "task.load.n=1", "task.load.lengths=[1024]"]
@@ -19,11 +18,12 @@ def no_model(monkeypatch):
     monkeypatch.setattr(runner, "get_model", lambda spec: pytest.fail("the model was loaded"))
 
 
-def checked(tmp_path, *overrides: str) -> None:
-    """check_decode_eviction on the plans and model config `python -m evalkit <overrides>` would use."""
+def checked(tmp_path, *overrides: str, tp: int = 1) -> None:
+    """check_decode_eviction on the plans and model config `python -m evalkit <overrides>` would use, under
+    `tp`-way tensor parallelism."""
     plans = runner.plans_for(compose(overrides=[*overrides, f"results_dir={tmp_path}"]))
     spec = plans[0].spec
-    runner.check_decode_eviction(plans, model_config(spec, resolve_source(spec)))
+    runner.check_decode_eviction(plans, model_config(spec, resolve_source(spec)), tp)
 
 
 def test_snapkv_decode_on_an_mla_model_is_refused(tmp_path):
@@ -34,12 +34,11 @@ def test_snapkv_decode_on_an_mla_model_is_refused(tmp_path):
     checked(tmp_path, "model=tiny_llama", "method=snapkv_decode")
 
 
-def test_compiled_eviction_under_tp_on_mla_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(parallel, "LAYOUT", parallel.Layout(tp=2))
+def test_compiled_eviction_under_tp_on_mla_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="compile=true under tensor parallelism on an MLA model"):
-        checked(tmp_path, "model=tiny_deepseek", "method=h2o", "compile=true")
-    checked(tmp_path, "model=tiny_llama", "method=h2o", "compile=true")  # GQA: no broadcast in the step
-    checked(tmp_path, "model=tiny_deepseek", "method=h2o")  # eager: the broadcast runs outside a graph
+        checked(tmp_path, "model=tiny_deepseek", "method=h2o", "compile=true", tp=2)
+    checked(tmp_path, "model=tiny_llama", "method=h2o", "compile=true", tp=2)  # GQA: no broadcast in the step
+    checked(tmp_path, "model=tiny_deepseek", "method=h2o", tp=2)  # eager: the broadcast runs outside a graph
 
 
 @pytest.mark.parametrize("method", ["h2o", "snapkv_decode"])

@@ -10,7 +10,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from evalkit.config import choices, model_spec
-from evalkit.models import ModelLoadError, ModelSpec, load_model
+from evalkit.loading import load_model
+from evalkit.models import ModelSpec
+from evalkit.sources import ModelLoadError
 from tests.conftest import TINY
 
 
@@ -74,7 +76,7 @@ def test_fingerprint_records_the_commit_a_hub_revision_resolved_to(tmp_path):
     (tmp_path / "models--org--m" / "refs").mkdir()
     (tmp_path / "models--org--m" / "refs" / "main").write_text(commit)
     code = (
-        "import json; from evalkit.models import ModelSpec, fingerprint; "
+        "import json; from evalkit.models import ModelSpec; from evalkit.sources import fingerprint; "
         "print(json.dumps([fingerprint(ModelSpec(name='m', id='org/m')), "
         "fingerprint(ModelSpec(name='m', id='org/m', revision='main'))]))"
     )
@@ -84,7 +86,8 @@ def test_fingerprint_records_the_commit_a_hub_revision_resolved_to(tmp_path):
 
 
 def test_fingerprint_of_local_packaged_and_random_models(tmp_path):
-    from evalkit.models import ModelSpec, fingerprint
+    from evalkit.models import ModelSpec
+    from evalkit.sources import fingerprint
 
     (tmp_path / "config.json").write_text('{"a": 1}')
     (tmp_path / "model.safetensors").write_bytes(b"x" * 10)

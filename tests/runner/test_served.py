@@ -350,7 +350,7 @@ def transformers_serve(tmp_path):
     """`transformers serve <embedded SmolLM2 folder>` on 127.0.0.1, greedy on CPU in fp32; stopped
     afterwards."""
     from evalkit.config import model_spec
-    from evalkit.models import resolve_source
+    from evalkit.sources import resolve_source
 
     folder_ = resolve_source(model_spec("smollm2_135m"))
     port = free_port()

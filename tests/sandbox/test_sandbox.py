@@ -818,7 +818,7 @@ def test_cgroup_choice(monkeypatch, tmp_path):
     control.write_text("cpu memory pids\n")
     assert _host.cgroup_unusable(str(tmp_path)) == ""
     monkeypatch.setenv(_host.CGROUP_ENV, str(tmp_path / "nope"))
-    monkeypatch.setattr(sandbox, "_probed", None)
+    monkeypatch.setattr(sandbox, "_probed", {})
     with pytest.raises(sandbox.SandboxError, match="EVALKIT_SANDBOX_CGROUP.*not a cgroup v2 directory"):
         sandbox.isolation()
 

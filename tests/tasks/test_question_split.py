@@ -28,7 +28,7 @@ RULER_QUESTIONS = {
 @pytest.fixture(scope="module")
 def tok():
     from evalkit.config import model_spec
-    from evalkit.models import tokenizer_path
+    from evalkit.sources import tokenizer_path
     from evalkit.task import get_tokenizer
 
     return get_tokenizer(tokenizer_path(model_spec("smollm2_135m")))

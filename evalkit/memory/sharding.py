@@ -87,7 +87,7 @@ def resolved_plan(model, tp: int) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class GpuLayout:
+class Sharding:
     """One torchrun layout of a model: bytes on the largest rank, KV heads per rank, GPUs and nodes."""
 
     tp: int
@@ -126,9 +126,9 @@ def weight_bits_of(name: str, module, ndim: int, weight_bits: int, other_bits: i
     return weight_bits if in_layers and is_matrix else other_bits
 
 
-def gpu_layout(
+def shard_model(
     hf_config: dict, kv: KVGeometry, tp: int, dp: int, gpus_per_node: int, weight_dtype: Any, other_dtype: Any
-) -> GpuLayout:
+) -> Sharding:
     """Per-GPU bytes of `hf_config`'s model under `tp` x `dp` processes; an error where transformers would
     fail."""
     from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
@@ -160,4 +160,4 @@ def gpu_layout(
         total += p.numel() * bits
         gpu += local * bits
         sharded += p.numel() * bits if local < p.numel() else 0
-    return GpuLayout(tp, dp, gpus_per_node, params, gpu // 8, sharded // 8, (total - sharded) // 8, kv, heads)
+    return Sharding(tp, dp, gpus_per_node, params, gpu // 8, sharded // 8, (total - sharded) // 8, kv, heads)
