@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from evalkit.journal import task_id
-from evalkit.results import short_hash  # noqa: F401  (the identities' hash; re-exported)
+from evalkit.results import short_hash
 
 # Settings that never change a generation: where results live, how a task grades (the code sandbox's limits),
 # which score a table shows first, and how a served model is reached (its address, concurrency, retries: the
@@ -65,6 +65,12 @@ def generation_settings(cfg: DictConfig | dict) -> dict:
 
 def generation_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(generation_settings(cfg)), sort_keys=True)
+
+
+def run_identity(cfg: DictConfig | dict) -> str:
+    """What a run's journal shards are stamped with (evalkit.journal): every setting its generations depend
+    on, the method included, so a shard of another configuration is never adopted."""
+    return short_hash(generation_settings(cfg))
 
 
 # --- the hashes ---------------------------------------------------------------------------------------------

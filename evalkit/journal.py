@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -139,19 +140,67 @@ def journal_files(folder: Path) -> list[Path]:
     return [f for f in (folder / JOURNAL, *shards) if f.is_file()]
 
 
-def read_records(path: Path) -> tuple[dict[str, dict], bool]:
-    """(the usable records of a journal file, whether every line was usable), read only: another process may
-    be appending to it, and its torn or foreign lines are that process's to set aside."""
+# A replica shard's first line names the run that writes it, `{"run": "<identity>"}` (evalkit.identity,
+# `run_identity`): a shard another configuration left in the folder is refused, never adopted. The run's own
+# `generations.jsonl` is bound to its folder's config.yaml instead and has no such line; a shard written
+# before shards were stamped has none either, and is read as it always was.
+RUN = "run"
+
+
+def stamp(line: bytes) -> str | None:
+    """The run identity a journal line names when it is a shard's first line (`{"run": ...}`), else None."""
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return obj[RUN] if isinstance(obj, dict) and list(obj) == [RUN] and isinstance(obj[RUN], str) else None
+
+
+def check_stamp(path: Path, found: str | None, run: str | None) -> None:
+    """A shard stamped by another run than `run` is refused by name (nothing checked without either)."""
+    if found is not None and run is not None and found != run:
+        raise JournalError(
+            f"{path} holds generations of another configuration (run {found}; this run is {run}): move it "
+            f"out of {path.parent}, or delete it, and run again"
+        )
+
+
+def read_records(path: Path, run: str | None = None) -> tuple[dict[str, dict], list[tuple[int, str]]]:
+    """(the usable records of a journal file, (line number, why) of each line that is not one), read only:
+    another process may be appending to it, and its torn or foreign lines are that process's to set aside. A
+    shard stamped by another run than `run` is refused (JournalError)."""
     out: dict[str, dict] = {}
-    clean = True
-    for line in path.read_bytes().split(b"\n"):
+    problems = []
+    lines = path.read_bytes().split(b"\n")
+    first = next((n for n, line in enumerate(lines, 1) if line.strip()), None)
+    for number, line in enumerate(lines, 1):
         if not line.strip():
+            continue
+        if number == first and (found := stamp(line)) is not None:
+            check_stamp(path, found, run)
             continue
         rec, problem = _parse(line)
         if problem is None:
             out.setdefault(rec["key"], rec)
-        clean = clean and problem is None
-    return out, clean
+        else:
+            torn = number == len(lines)  # no newline after it: a write cut short
+            problems.append((number, f"{problem} (a write cut short)" if torn else problem))
+    return out, problems
+
+
+def line_keys(path: Path) -> set[str]:
+    """The request keys a journal file's lines name, leniently (a line that is JSON with a string "key"), for
+    counting what an unfinished run holds: a torn line, one cut inside a UTF-8 character or a shard's stamp
+    names none. Read only."""
+    keys = set()
+    for line in path.read_bytes().split(b"\n"):
+        try:
+            obj = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("key"), str):
+            keys.add(obj["key"])
+    return keys
 
 
 class Journal:
@@ -160,11 +209,12 @@ class Journal:
     On load, the torn last line of a killed run is dropped (that generation is simply redone); any other line
     that is not a valid record (bad JSON, a foreign object, a field missing or of the wrong type) is moved to
     `<name>.rejected` and named by its line number in `self.rejected`, so nothing is lost and nothing crashes
-    later. A repeated key keeps its first record.
+    later. A repeated key keeps its first record. With `run` (the run's identity), a replica shard is stamped
+    with it when created, and one stamped by another run is refused (JournalError).
     """
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
+    def __init__(self, path: Path, run: str | None = None):
+        self.path, self.run = Path(path), run
         self.records: dict[str, dict] = {}
         self.rejected: list[tuple[int, str]] = []  # (line number, reason)
         if self.path.exists():
@@ -175,13 +225,20 @@ class Journal:
         self.generated_keys: set[str] = set()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held open for the run, closed in close())
+        if run is not None and SHARD.fullmatch(self.path.name) and self._file.tell() == 0:
+            self._write_line(json.dumps({RUN: run}))  # a new shard names the run that writes it
 
     def _load(self) -> None:
         raw = self.path.read_bytes()  # bytes: a kill can cut a line inside a multi-byte character
         lines = raw.split(b"\n")
         good, bad = [], []
+        first = next((n for n, line in enumerate(lines, 1) if line.strip()), None)
         for number, line in enumerate(lines, 1):
             if not line.strip():
+                continue
+            if number == first and (found := stamp(line)) is not None:
+                check_stamp(self.path, found, self.run)
+                good.append(line)
                 continue
             rec, problem = _parse(line)
             if problem in (NOT_JSON, NOT_UTF8) and number == len(lines):  # no newline after it: a torn write
@@ -212,7 +269,10 @@ class Journal:
         if problem is not None:  # a bug in the writer: never journal what could not be read back
             raise ValueError(f"journal record {record.get('key')!r}: {problem}")
         self.records[record["key"]] = record
-        self._file.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+        self._write_line(json.dumps(record, ensure_ascii=False, default=str))
+
+    def _write_line(self, text: str) -> None:
+        self._file.write(text + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
 
@@ -251,10 +311,11 @@ def open_journals(plans: list, open_journal, team: Team) -> None:
 
 
 def adopt_shards(journal) -> None:
-    """Count the other shards' records as done in `journal` (in memory: they stay in their files)."""
+    """Count the other shards' records as done in `journal` (in memory: they stay in their files); a shard
+    stamped by another run is refused (JournalError)."""
     journal.adopted = set()
     for path in sibling_shards(journal.path.parent, journal.path):
-        for key, rec in read_records(path)[0].items():
+        for key, rec in read_records(path, journal.run)[0].items():
             if key not in journal.records:
                 journal.records[key] = rec
                 journal.adopted.add(key)
@@ -263,12 +324,12 @@ def adopt_shards(journal) -> None:
 def fold_shards(journal) -> None:
     """Rank 0 before scoring (every replica has finished): the other shards' records appended to its
     `generations.jsonl`, and each shard file whose every line was usable removed, so a finished run folder
-    holds one journal whatever layout made it. What another replica generated in this run counts as
-    generated now."""
+    holds one journal whatever layout made it; a shard with a line it cannot read is kept, and said so. What
+    another replica generated in this run counts as generated now."""
     known = journal.loaded_keys | getattr(journal, "adopted", set())
     written = set(read_records(journal.path)[0]) if journal.path.exists() else set()
     for path in sibling_shards(journal.path.parent, journal.path):
-        records, clean = read_records(path)
+        records, problems = read_records(path, journal.run)
         for key, rec in records.items():
             if key not in written:
                 journal.records.pop(key, None)  # adopted in memory only: now into the file
@@ -276,8 +337,20 @@ def fold_shards(journal) -> None:
                 written.add(key)
                 if key in known:
                     journal.generated_keys.discard(key)
-        if clean:
+        if problems:
+            print(f"evalkit: {shard_note(path, problems)}", file=sys.stderr)
+        else:
             path.unlink()
+
+
+def shard_note(path: Path, problems: list[tuple[int, str]]) -> str:
+    """What to say of a replica shard left beside a run that scored (kept because some of its lines cannot be
+    read)."""
+    lines = "; ".join(f"line {n}: {why}" for n, why in problems[:3]) + (" ..." if len(problems) > 3 else "")
+    return (
+        f"{path} is left beside a scored run{f' ({lines})' if lines else ''}: its readable records are in "
+        f"{JOURNAL} and every request the run scored was generated; delete the file once you have looked"
+    )
 
 
 class PeerJournal:

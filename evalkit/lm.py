@@ -119,9 +119,9 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
             for i, req, key in zip(range(len(requests)), requests, keyed(requests))
         ]
         # DP: another replica's request is answered by its journal ("" here; scoring reads journals);
-        # a conversation stays whole on the replica that owns its first question
+        # conversations are dealt whole, balanced by questions across the replicas
         groups = conversations(prompts) if self.multi_question else [[ip] for ip in prompts]
-        groups = [g for g in groups if self.team.owns(g[0][0])]
+        groups = self.team.take(groups)
         owned = {i for g in groups for i, _ in g}
         results: list[str | None] = [None if i in owned else "" for i in range(len(requests))]
         if self.multi_question:

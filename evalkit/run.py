@@ -35,7 +35,7 @@ from evalkit.config import (
     model_spec,
 )
 from evalkit.errors import EvalkitError, exit_with
-from evalkit.identity import check_folder, classify
+from evalkit.identity import check_folder, classify, run_identity
 from evalkit.journal import Journal, fold_shards, open_journals, request_keys
 from evalkit.kv.config import canonical, make_method, method_class
 from evalkit.results import RunLock, atomic_write, check_writable, config_yaml, run_dir
@@ -296,7 +296,7 @@ def evaluated(p: Plan, loaded) -> list:
 def open_journal(p: Plan, path: Path) -> Journal:
     if path.exists() and not path.is_file():
         raise ConfigError(f"{path} is not a file: move it away (the journal is a file this run appends to)")
-    journal = Journal(path)
+    journal = Journal(path, run=run_identity(p.cfg))  # a replica shard is stamped with (and checked for) it
     for number, reason in journal.rejected:
         print(
             f"evalkit: {journal.path} line {number} set aside ({reason}) into {journal.path.name}.rejected; "

@@ -4,7 +4,7 @@
 evalkit ...`); `parallel.tp_size` x `parallel.dp_size` must equal that world size. Ranks are laid out
 `rank = dp_rank * tp + tp_rank`: a TP group is `tp` consecutive ranks that load one model sharded by
 transformers (`DistributedConfig(tp_size=tp)`) and run the same requests in the same order; the `dp` groups
-(replicas) split the requests by lm-eval's request index (`Team.owns`).
+(replicas) split the requests between them (`Team.owns`, whole conversations: `Team.take`).
 
 Where this process sits is `Ranks` (a value, read from the config and the environment); the `Team` is made
 once from it (`Team.start`, `Team.single()` for one process) and handed to what needs it: the runner, the
@@ -15,16 +15,19 @@ model loader, the LM, the engine, and through the engine each KV cache (an `agre
 - identical decisions: a choice every rank of a TP group must make alike (a kept-token set of replicated
   attention, MLA; the next token) is taken on the TP root and broadcast (`agree`), never trusted to equal
   floating point.
-- bounded failure: the process group has a timeout (`EVALKIT_DIST_TIMEOUT_S`, default 600 s), and torchrun
-  ends every rank when one exits non-zero, so a failing rank ends the run with its own error.
+- bounded failure: the process group has a timeout (`EVALKIT_DIST_TIMEOUT_S`, default 600 s), torchrun ends
+  every rank when one exits non-zero, and every rank dies with its launcher (a parent-death signal), so a
+  `kill -9` of torchrun leaves no orphan holding the run folder's lock.
 """
 
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import re
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -80,7 +83,7 @@ class Ranks:
     @classmethod
     def from_config(cls, cfg, env=os.environ) -> Ranks:
         """The ranks `cfg.parallel` asks for in this environment; a ConfigError before any model loads when
-        the keys are malformed or tp x dp is not the world size."""
+        the keys or EVALKIT_DIST_TIMEOUT_S are malformed, or tp x dp is not the world size."""
         from evalkit.config import ConfigError
 
         block = cfg.get("parallel") or {}
@@ -109,7 +112,7 @@ class Ranks:
             raise ConfigError(f"parallel.backend must be null, nccl or gloo, got {backend!r}")
         if world > 1:
             backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        timeout = float(env.get(TIMEOUT_ENV, 600))
+        timeout = timeout_from_env(env)
         return cls(tp, dp, rank, local_rank, backend if world > 1 else None, timeout)
 
 
@@ -134,6 +137,43 @@ def first_host(nodelist: str) -> str:
         return nodelist
     prefix, ranges = m.groups()
     return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def timeout_from_env(env=os.environ) -> float:
+    """EVALKIT_DIST_TIMEOUT_S as seconds (600 unset): a positive, finite number, else a ConfigError."""
+    from evalkit.config import ConfigError
+
+    text = env.get(TIMEOUT_ENV)
+    if text is None:
+        return 600.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(
+            f"{TIMEOUT_ENV} must be a positive number of seconds (how long a rank waits for the others in a "
+            f"collective), got {text!r}"
+        )
+    return value
+
+
+def die_with_launcher(env=os.environ) -> None:
+    """Under torchrun, SIGKILL this rank when its launcher dies, as the sandbox does: torchrun starts each
+    rank in a session of its own, so a `kill -9` of torchrun would leave the ranks running as orphans that
+    hold the run folder's lock. A launcher already gone before the signal was set ends this rank now. (srun
+    tears its tasks down itself.)"""
+    import ctypes
+
+    if "TORCHELASTIC_RUN_ID" not in env:  # not torchrun's worker (srun, a test's spawned processes)
+        return
+    parent = os.getppid()
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+    pr_set_pdeathsig = 1
+    if prctl is None or prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:  # not Linux
+        return
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 # --- the team -----------------------------------------------------------------------------------------------
@@ -163,6 +203,7 @@ class Team:
         the single team."""
         if ranks.world == 1:
             return cls(ranks)
+        die_with_launcher()
         if ranks.backend == "nccl":
             torch.cuda.set_device(ranks.local_rank)
         if not dist.is_initialized():
@@ -204,6 +245,18 @@ class Team:
     def owns(self, index: int) -> bool:
         """This replica generates lm-eval's request `index` (replicas take every dp-th request)."""
         return index % self.dp == self.ranks.dp_rank
+
+    def take(self, groups: Sequence[Sequence]) -> list:
+        """The groups this replica generates, each kept whole (a conversation's questions share one cache):
+        each group in turn goes to the replica with the fewest items so far, the lowest on a tie. Groups of
+        one are dealt as `owns` deals requests; every replica computes the same deal from the same list."""
+        load, mine = [0] * self.dp, []
+        for group in groups:
+            replica = load.index(min(load))
+            load[replica] += len(group)
+            if replica == self.ranks.dp_rank:
+                mine.append(group)
+        return mine
 
     def rank_tag(self) -> str:
         """` [rank r/N]` for a message of a multi-process run (empty for one process)."""

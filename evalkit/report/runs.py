@@ -13,7 +13,7 @@ from pathlib import Path
 from evalkit import metrics as metrics_record
 from evalkit.errors import EvalkitError
 from evalkit.identity import hashes
-from evalkit.journal import SHARD, journal_files
+from evalkit.journal import SHARD, journal_files, line_keys, read_records, shard_note
 from evalkit.metrics import Metrics
 
 IDS = ("generation", "method", "scoring")
@@ -144,7 +144,19 @@ def load_runs(results_dir: str | Path) -> tuple[list[Run], list[str]]:
             notes.append(note)
             continue
         runs.append(Run(path.parent, rel, metrics))
+        notes += left_shards(path.parent)
     return runs, notes
+
+
+def left_shards(folder: Path) -> list[str]:
+    """A note per replica shard left beside a finished run: the runner keeps a shard with a line it cannot
+    read (a write cut short) when it folds the others, and says so once; the report keeps saying it."""
+    out = []
+    for shard in (f for f in journal_files(folder) if SHARD.fullmatch(f.name)):
+        note = shard_note(shard, read_records(shard)[1])
+        log.warning(note)
+        out.append(note)
+    return out
 
 
 def unfinished(results_dir: str | Path) -> list[str]:
@@ -159,7 +171,9 @@ def unfinished(results_dir: str | Path) -> list[str]:
             continue
         files = journal_files(folder)  # under data parallel, the replica shards too
         shards = [f for f in files if SHARD.fullmatch(f.name)]
-        done = sum(1 for f in files for line in f.read_text().splitlines() if line.strip())
+        # each request once (a record is in a shard and generations.jsonl after a kill mid-fold); a line cut
+        # inside a UTF-8 character, a torn line or a shard's stamp counts none
+        done = len(set().union(*(line_keys(f) for f in files)))
         where = (
             f" in {len(files)} files: a data-parallel run whose {len(shards)} replica shard(s) are not "
             "folded into generations.jsonl yet"

@@ -1,19 +1,34 @@
 """`python -m evalkit` under torchrun with one rank made to fail at an exact moment, no clock involved:
 `EVALKIT_TEST_FAIL=kill:<rank>:<n>` SIGKILLs that rank right after its n-th journal append;
-`raise:<rank>:<n>` raises in that rank at its n-th decode step (the others then wait in a collective)."""
+`raise:<rank>:<n>` raises in that rank at its n-th decode step (the others then wait in a collective).
+`EVALKIT_TEST_JOURNALED=<folder>`: every rank appends the key of each record it journals to
+`<folder>/rank<r>` (which replica generated what)."""
 
 import os
 import signal
 import sys
+from pathlib import Path
 
 import evalkit.engine as engine
 import evalkit.journal as journal
 from evalkit.run import main
 
-how, rank, after = os.environ["EVALKIT_TEST_FAIL"].split(":")
+how, rank, after = os.environ.get("EVALKIT_TEST_FAIL", "none:-1:0").split(":")
 count = [0]
+here = int(os.environ["RANK"])
 
-if int(os.environ["RANK"]) == int(rank) and how == "kill":
+if "EVALKIT_TEST_JOURNALED" in os.environ:
+    noted = Path(os.environ["EVALKIT_TEST_JOURNALED"]) / f"rank{here}"
+    plain_append = journal.Journal.append
+
+    def noting_append(self, rec):
+        plain_append(self, rec)
+        with open(noted, "a") as f:
+            f.write(rec["key"] + "\n")
+
+    journal.Journal.append = noting_append
+
+if here == int(rank) and how == "kill":
     append = journal.Journal.append
 
     def killing_append(self, rec):
@@ -24,7 +39,7 @@ if int(os.environ["RANK"]) == int(rank) and how == "kill":
 
     journal.Journal.append = killing_append
 
-if int(os.environ["RANK"]) == int(rank) and how == "raise":
+if here == int(rank) and how == "raise":
     step = engine.Engine._step
 
     def failing_step(self, live, last):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
 from evalkit.config import ConfigError, compose
 from evalkit.identity import generation_yaml
-from evalkit.journal import Journal, adopt_shards, fold_shards, shard_path
+from evalkit.journal import Journal, JournalError, adopt_shards, fold_shards, shard_path
 from evalkit.loading import device_map
 from evalkit.team import Ranks, Team, first_host, world_from_env
 
@@ -91,6 +92,33 @@ def test_replicas_split_the_requests_between_them():
     assert split == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
 
 
+def test_conversations_are_dealt_whole_and_balanced_across_replicas():
+    """Two 4-question conversations at DP=2 go one to each replica (dealt by their first question's index,
+    both went to replica 0); a conversation is never split; requests of one question are dealt as `owns`
+    deals them."""
+    convs = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [Team(Ranks(dp=2, rank=r)).take(convs) for r in range(2)] == [[convs[0]], [convs[1]]]
+    mixed = [[0], [1, 2, 3, 4], [5], [6], [7]]
+    assert [Team(Ranks(dp=2, rank=r)).take(mixed) for r in range(2)] == [[[0], [5], [6], [7]], [[1, 2, 3, 4]]]
+    singles = [[i] for i in range(10)]
+    for r in range(3):
+        team = Team(Ranks(dp=3, rank=r))
+        assert [g[0] for g in team.take(singles)] == [i for i in range(10) if team.owns(i)]
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "0", "-5", "inf"])
+def test_a_bad_dist_timeout_is_refused_in_one_line(value):
+    """EVALKIT_DIST_TIMEOUT_S is read with the ranks, before anything loads (it was read when joining the
+    process group: a ValueError traceback on every rank, or a timeout of 0)."""
+    with pytest.raises(ConfigError) as e:
+        Ranks.from_config(cfg(), {**TORCHRUN, "EVALKIT_DIST_TIMEOUT_S": value})
+    assert str(e.value) == (
+        "EVALKIT_DIST_TIMEOUT_S must be a positive number of seconds (how long a rank waits for the others "
+        f"in a collective), got {value!r}"
+    )
+    assert Ranks.from_config(cfg(), {**TORCHRUN, "EVALKIT_DIST_TIMEOUT_S": "60"}).timeout_s == 60.0
+
+
 def rec(key: str) -> dict:
     return {"key": key, "doc_id": 0, "repeat": 0, "text": key, "prompt_hash": "0" * 16, "stats": {}}
 
@@ -110,6 +138,64 @@ def test_shards_count_as_done_and_fold_into_one_journal(tmp_path):
     assert lines == ["t/0/0/0", "t/1/0/0", "t/2/0/0"]
     assert journal.generated_keys == {"t/0/0/0"}  # the shards' records were done before this process
     assert sorted(p.name for p in tmp_path.iterdir()) == ["generations.dp2.jsonl", "generations.jsonl"]
+
+
+def test_a_shard_names_its_run_and_one_of_another_run_is_refused(tmp_path):
+    """A replica shard's first line is the identity of the run that writes it: the same run reopens and
+    adopts it; another configuration's run refuses it by name (it was adopted: a budget-64 run scored a
+    budget-128 run's generations). The run's own generations.jsonl carries no stamp."""
+    shard = Journal(shard_path(tmp_path, 1), run="budget64")
+    shard.append(rec("t/1/0/0"))
+    shard.close()
+    assert json.loads(shard.path.read_text().splitlines()[0]) == {"run": "budget64"}
+    assert set(Journal(shard.path, run="budget64").records) == {"t/1/0/0"}  # reopened by its own run
+    own = Journal(shard_path(tmp_path, 0), run="budget64")
+    adopt_shards(own)
+    assert own.adopted == {"t/1/0/0"} and own.path.read_text() == ""
+    fold_shards(own)
+    assert [json.loads(x)["key"] for x in own.path.read_text().splitlines()] == ["t/1/0/0"]
+    assert not shard.path.exists()  # the stamp is no unreadable line: the shard folded away
+    shard = Journal(shard_path(tmp_path, 1), run="budget128")
+    shard.append(rec("t/2/0/0"))
+    shard.close()
+    message = f"{shard.path} holds generations of another configuration (run budget128; this run is budget64)"
+    with pytest.raises(JournalError, match=re.escape(message)):
+        adopt_shards(Journal(shard_path(tmp_path, 0), run="budget64"))
+    with pytest.raises(JournalError, match=re.escape(message)):
+        Journal(shard.path, run="budget64")
+
+
+def test_a_stale_shard_of_another_configuration_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """`python -m evalkit` stamps its shards with the run's identity and checks every shard it finds."""
+    import evalkit.run as runner
+    from evalkit.identity import run_identity
+    from tests.conftest import fresh_run, planned_folder
+
+    monkeypatch.setattr(runner, "get_model", lambda spec, team=None: pytest.fail("the model was loaded"))
+    args = ["model=tiny_llama", "task.load.n=1", "task.load.lengths=[1024]", "limit=2", "method=snapkv"]
+    other = runner.plan(compose(overrides=[*args, "method.budget=128"])).cfg
+    folder = planned_folder(tmp_path, *args, "method.budget=64")
+    folder.mkdir(parents=True)
+    stale = folder / "generations.dp1.jsonl"
+    stale.write_text(json.dumps({"run": run_identity(other)}) + "\n" + json.dumps(rec("ruler/0/0/0")) + "\n")
+    with pytest.raises(JournalError, match=f"{re.escape(str(stale))} holds generations of another config"):
+        fresh_run(*args, "method.budget=64", results=tmp_path)
+
+
+def test_a_torn_shard_left_beside_a_scored_run_is_said(tmp_path, capsys):
+    """A shard whose last line was cut inside a UTF-8 character (its replica killed mid-write, the run then
+    resumed under another layout) is kept when the others fold, and the runner says so."""
+    cut = '{"key": "t/2/0/0", "text": "é'.encode()[:-1]  # the first byte of two
+    (tmp_path / "generations.dp1.jsonl").write_bytes(json.dumps(rec("t/1/0/0")).encode() + b"\n" + cut)
+    journal = Journal(shard_path(tmp_path, 0))
+    adopt_shards(journal)
+    fold_shards(journal)
+    assert set(journal.records) == {"t/1/0/0"} and (tmp_path / "generations.dp1.jsonl").exists()
+    assert capsys.readouterr().err == (
+        f"evalkit: {tmp_path}/generations.dp1.jsonl is left beside a scored run (line 2: not valid UTF-8 (a "
+        "write cut short)): its readable records are in generations.jsonl and every request the run scored "
+        "was generated; delete the file once you have looked\n"
+    )
 
 
 def test_the_layout_is_no_part_of_a_runs_identity():

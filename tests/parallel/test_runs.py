@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,8 @@ import pytest
 import evalkit.run as runner
 import evalkit.task
 from evalkit.config import compose
+from evalkit.journal import read_records
+from evalkit.results import RunLock
 from tests.conftest import planned_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,6 +96,88 @@ def test_a_layout_that_does_not_fit_the_processes_is_refused_before_any_load(tmp
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_bad_dist_timeout_is_one_line_on_each_rank(tmp_path):
+    """EVALKIT_DIST_TIMEOUT_S=abc under a 2-process layout: one line on stderr and exit status 2,
+    before anything loads (it was a ValueError traceback once the rank joined the process group)."""
+    env = {**ENV, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "EVALKIT_DIST_TIMEOUT_S": "abc"}
+    cmd = [sys.executable, "-m", "evalkit", *RUN, f"results_dir={tmp_path}"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "evalkit: error: EVALKIT_DIST_TIMEOUT_S must be a positive number of seconds (how long a rank waits "
+        "for the others in a collective), got 'abc'"
+    ]
+    assert not (tmp_path / "runs").exists()
+
+
+def alive(pid: int) -> bool:
+    """A process that runs (a zombie waiting for its reaper does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_ranks_die_with_their_launcher(tmp_path):
+    """`kill -9` of torchrun: its ranks (each in a session of its own) die with it instead of running on as
+    orphans, rank 0 holding the run folder's lock."""
+    cmd = [*TORCHRUN, "2", "tests/parallel/orphan.py", str(tmp_path)]
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2 and time.monotonic() < deadline and launcher.poll() is None:
+            pids = [int(p.read_text()) for p in sorted(tmp_path.glob("rank*.pid"))]
+            time.sleep(0.2)
+        assert len(pids) == 2, "the ranks did not start"
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [p for p in pids if alive(p)] == []
+        RunLock(tmp_path).acquire()  # the lock is free
+    finally:
+        for pid in pids:  # the orphans, where they survived (this test's own processes, by id)
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+MQ = [  # two conversations of 4 questions each (RULER multikey_2 at n=2), 8 samples
+    "task.load.n=2",
+    "task.load.tasks=[niah_multikey_2]",
+    "limit=8",
+    "query_aware=false",
+    "multi_question=true",
+    "method.budget=64",
+]
+
+
+def test_dp2_multi_question_deals_conversations_to_both_replicas(tmp_path):
+    """DP=2 with two 4-question conversations: each replica generates one whole conversation (dealt by its
+    first question's index, both went to replica 0 and replica 1 idled); the results are one process's."""
+    noted = tmp_path / "noted"
+    noted.mkdir()
+    script = ("tests/parallel/failing.py",)
+    env = {"EVALKIT_TEST_JOURNALED": str(noted)}
+    done = torchrun(tmp_path / "dp", "parallel.dp_size=2", *MQ, script=script, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    folder = planned_folder(tmp_path / "dp", *RUN, *MQ)
+    lines = [json.loads(x) for x in (folder / "generations.jsonl").read_text().splitlines()]
+    conversation = {r["key"]: r["stats"]["conversation"] for r in lines}
+    mine = {r: (noted / f"rank{r}").read_text().split() for r in (0, 1)}  # rank 0's: its own, then folded
+    assert len(mine[1]) == 4 and len({conversation[k] for k in mine[1]}) == 1  # one whole conversation
+    assert {conversation[k] for k in mine[0][:4]} | {conversation[k] for k in mine[1]} == set(
+        conversation.values()
+    )
+    assert len(set(conversation.values())) == 2
+    ref = one_process(tmp_path / "one", *MQ)
+    assert predictions(folder) == predictions(ref) and headline(folder) == headline(ref)
+    assert sorted(journal_keys(folder)) == sorted(journal_keys(ref))
+
+
 def test_dp2_writes_what_one_process_does(tmp_path):
     done = torchrun(tmp_path / "dp", "parallel.dp_size=2", "method.budget=64")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -164,7 +249,7 @@ def test_a_killed_dp_rank_ends_the_run_and_the_rerun_resumes(tmp_path):
     assert "Signal 9 (SIGKILL)" in killed.stderr and "rank      : 1" in killed.stderr
     folder = planned_folder(tmp_path / "dp", *RUN, "method.budget=64")
     assert not (folder / "metrics.json").exists() and (folder / "generations.dp1.jsonl").exists()
-    shard = [json.loads(x)["key"] for x in (folder / "generations.dp1.jsonl").read_text().splitlines()]
+    shard = list(read_records(folder / "generations.dp1.jsonl")[0])  # its records (after the run's stamp)
     before = len(shard) + (len(journal_keys(folder)) if (folder / "generations.jsonl").exists() else 0)
     again = torchrun(tmp_path / "dp", "parallel.dp_size=2", "method.budget=64")
     assert again.returncode == 0, again.stderr[-3000:]

@@ -282,6 +282,35 @@ def test_a_data_parallel_run_in_progress_is_unfinished_with_its_shards_counted(t
     ) in missing
 
 
+def test_an_unfinished_run_cut_inside_a_utf8_character_is_counted_not_a_crash(tmp_path):
+    """`make report` while a run is killed mid-write (its journal ends inside a UTF-8 character) or mid-fold
+    (a record in its shard and in generations.jsonl): each request counts once, a torn line or a shard's
+    stamp counts none."""
+    _sweep(tmp_path, "ruler", {128: 0})
+    running = tmp_path / "runs" / "ruler" / "smollm2_135m" / "snapstream" / "512"
+    running.mkdir(parents=True)
+    (running / "config.yaml").write_text("x: 1\n")
+    (running / "generations.jsonl").write_bytes('{"key": "a"}\n{"key": "b", "text": "é'.encode()[:-1])
+    (running / "generations.dp1.jsonl").write_text('{"run": "0123"}\n{"key": "c"}\n{"key": "a"}\n')
+    missing = build(settings(results_dir=str(tmp_path))).missing
+    assert (
+        "ruler/smollm2_135m/snapstream/512: unfinished (2 generations journaled in 2 files: a data-parallel "
+        "run whose 1 replica shard(s) are not folded into generations.jsonl yet, no metrics.json)"
+    ) in missing
+
+
+def test_a_shard_left_beside_a_finished_run_is_reported(tmp_path):
+    """The runner keeps a shard it could not read whole when it scores; the report names it and its line."""
+    folder = write_run(tmp_path, binary_rows([1] * 3))
+    (folder / "generations.dp1.jsonl").write_text('{"run": "0123"}\n{"key": "a"}\n{"key": "b", "te')
+    _, notes = load_runs(tmp_path)
+    assert notes == [
+        f"{folder}/generations.dp1.jsonl is left beside a scored run (line 2: missing 'doc_id'; line 3: not "
+        "valid JSON (a write cut short)): its readable records are in generations.jsonl and every request "
+        "the run scored was generated; delete the file once you have looked"
+    ]
+
+
 def test_bad_input_is_named_and_the_rest_of_the_report_is_written(tmp_path):
     _sweep(tmp_path, "ruler", {256: 0})  # the good pair
     write_run(tmp_path, binary_rows([1] * 30), budget=256, task="aime24", headline="pass@1")  # no full run
