@@ -52,6 +52,11 @@ def deployment(spec: ModelSpec, hw: Hardware, deploy: dict) -> Deployment:
     """`spec` on `hw`; tp `auto` = the largest degree dividing both the sockets and the attention heads (the
     memory report's default, tp = sockets, whenever that is legal)."""
     tp = math.gcd(hw.sockets, spec.kv.heads) if deploy["tp"] == "auto" else int(deploy["tp"])
+    if hw.sockets % tp or spec.kv.heads % tp:  # said in the report's own setting, not the memory report's
+        raise MemoryReportError(
+            f"deploy.tp={tp} does not divide both {hw.name}'s {hw.sockets} sockets and the "
+            f"{spec.kv.heads} attention heads of {spec.name}: set deploy.tp=auto (the largest that does)"
+        )
     return Deployment(spec, hw, tp, deploy["attention"], float(deploy["mtp_factor"]))
 
 
