@@ -16,8 +16,9 @@ accuracy but doubles the output gives back half the throughput its smaller cache
   computed where every output hit the limit on both sides (lengths truncated); `length_caveat` says which;
 - hit limit: the share of outputs that ended at the token limit (`generation[r].hit_limit`); empty: of
   outputs with no token at all;
-- no answer: the share of outputs with nothing the task's scorer could read (NO_ANSWER: AIME no box, or cut
-  off while thinking; LiveCodeBench no code block; LongBench-v2 no choice); RULER has no such notion;
+- no answer: the share of outputs with nothing the task's scorer could read, by the task's own standard
+  `no_answer` score (AIME no box, or cut off while thinking; LiveCodeBench no code block; LongBench-v2 no
+  choice; RULER an empty continuation); `-` for runs scored before a task reported it;
 - repetition: the share of outputs that end in a loop (`repeating_tail`).
 """
 
@@ -28,13 +29,6 @@ import math
 import numpy as np
 from scipy import stats as sps
 
-# Per-repeat score keys that mark an output with no extractable answer, per task family (a task reports one
-# family): the share is their sum, as the keys are disjoint outcomes of one output.
-NO_ANSWER = (
-    ("no_box", "thinking_truncated"),  # AIME: no box after the thinking, or thinking never closed
-    ("outcome/no_code",),  # LiveCodeBench: fewer than two ``` lines, nothing to run
-    ("no_answer",),  # LongBench-v2: no "The correct answer is (X)"
-)
 MIN_LOOP_WORDS = 64  # a repeating tail spans at least this many words ...
 MIN_LOOP_REPEATS = 3  # ... and at least this many copies of its period
 MAX_LOOP_PERIOD = 128  # longest period (in words) looked for
@@ -78,12 +72,10 @@ def repeating_tail(text: str) -> bool:
 
 
 def no_answer(scores: dict) -> float | None:
-    """1.0 / 0.0: this output has no extractable answer (by the task's own scorer keys); None: the task has no
-    such notion (RULER scores every output)."""
-    for keys in NO_ANSWER:
-        if all(k in scores for k in keys):
-            return float(sum(scores[k] for k in keys) > 0)
-    return None
+    """1.0 / 0.0: this output has no answer the task's scorer could read (its `no_answer` score, the standard
+    key every task with the notion reports); None: the task reports none."""
+    value = scores.get("no_answer")
+    return None if value is None else float(value > 0)
 
 
 def _outputs(row: dict, k: int) -> list[dict] | None:

@@ -20,7 +20,30 @@ from evalkit.report.lengths import median_ci, no_answer, repeating_tail
 from evalkit.report.pairing import pair
 from evalkit.report.runs import load_runs
 from evalkit.report.stats import StatSettings, compare
+from evalkit.sample import Sample
 from tests.runs_fixture import sample_row, write_run
+
+
+def _aime(predictions):
+    from tasks.aime24 import aime24
+
+    return aime24.score(predictions, Sample("a", "aime24", "p", ["7"], 8))
+
+
+def _longbench(predictions):
+    from tasks.longbench_v2 import longbench_v2 as lb
+
+    return lb.score(predictions, Sample("l", lb.TASK, "p", ["A"], 8, subset="easy|short"))
+
+
+def _ruler(predictions):
+    from tasks.ruler import ruler
+
+    meta = {"task": "niah_single_1", "length": 1024, "metric": "all"}
+    return ruler.score(predictions, Sample("r", "ruler", "p", ["42"], 8, meta=meta))
+
+
+TASK_SCORERS = {"aime24": _aime, "longbench_v2": _longbench, "ruler": _ruler}
 
 G = np.random.default_rng(7)
 N = 30
@@ -91,20 +114,29 @@ def test_lengths_pair_repeats_by_index_and_a_zero_token_side_counts_as_one(tmp_p
 
 
 @pytest.mark.parametrize(
-    "scores, expected",
+    "predictions, task, expected",
     [
-        ({"pass@1": 0.0, "no_box": 100.0, "thinking_truncated": 0.0}, 1.0),  # AIME: no box
-        ({"pass@1": 0.0, "no_box": 0.0, "thinking_truncated": 100.0}, 1.0),  # AIME: never closed </think>
-        ({"pass@1": 0.0, "no_box": 0.0, "thinking_truncated": 0.0}, 0.0),  # AIME: boxed, wrong
-        ({"pass@1": 0.0, "outcome/no_code": 100.0, "outcome/passed": 0.0}, 1.0),  # LiveCodeBench
-        ({"pass@1": 0.0, "outcome/no_code": 0.0, "outcome/wrong_answer": 100.0}, 0.0),
-        ({"accuracy": 0.0, "no_answer": 100.0}, 1.0),  # LongBench-v2: no "The correct answer is (X)"
-        ({"accuracy": 100.0, "no_answer": 0.0}, 0.0),
-        ({"score": 50.0, "score/niah_single_1": 50.0}, None),  # RULER: every output is an answer
+        (["no box here"], "aime24", 1.0),  # AIME: no box
+        (["<think>cut off"], "aime24", 1.0),  # AIME: never closed </think>
+        (["\\boxed{5}"], "aime24", 0.0),  # AIME: boxed, wrong
+        (["The correct answer is (B)"], "longbench_v2", 0.0),
+        (["I cannot tell."], "longbench_v2", 1.0),  # LongBench-v2: no "The correct answer is (X)"
+        (["wrong"], "ruler", 0.0),  # RULER: any text is an answer ...
+        ([""], "ruler", 1.0),  # ... an empty continuation is none
     ],
 )
-def test_no_answer_is_each_tasks_own_notion(scores, expected):
-    assert no_answer(scores) == expected
+def test_no_answer_is_each_tasks_own_notion_through_the_standard_key(predictions, task, expected):
+    """Each task reports its notion as `no_answer`; the report reads that key and no task's private ones."""
+    score = TASK_SCORERS[task]
+    assert no_answer(score(predictions)) == expected
+    assert no_answer({"no_box": 100.0, "thinking_truncated": 0.0}) is None  # private keys: not read
+
+
+def test_livecodebench_reports_no_code_as_no_answer():
+    from tasks.livecodebench import livecodebench as lcb
+
+    m = lcb.metrics(["no_code", "passed"], "easy")
+    assert m["no_answer"] == m["outcome/no_code"] == 50.0 and no_answer(m) == 1.0
 
 
 W = [f"w{i}" for i in range(200)]  # distinct words: no period but the one built
