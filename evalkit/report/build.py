@@ -13,6 +13,7 @@ import pandas as pd
 
 from evalkit.config import CONF_DIR
 from evalkit.memory.model import MemoryReportError
+from evalkit.report import columns
 from evalkit.report.budget import bench_speedup, load_hardware, memory_row
 from evalkit.report.config import ReportConfigError, ReportSettings
 from evalkit.report.pairing import Pairing, PairingError, pair, partner
@@ -63,23 +64,11 @@ def join_gains(pairings: list[Pairing], settings: ReportSettings, problems: list
     return out
 
 
-def _cell_rows(p: Pairing, memory: dict) -> list[dict]:
+def _cell_rows(p: Pairing, memory: dict, hardware: list[str]) -> list[dict]:
+    """One row per metric key of a pairing: the registry's figures (labels, the run's own), the lengths and
+    gains, the key's paired statistics and the memory model."""
     comp = p.compressed
-    base = {
-        "model": comp.model,
-        "task": comp.task,
-        "method": comp.method,
-        "settings": comp.settings,
-        "query_aware": comp.query_aware,
-        "budget": comp.budget,
-        "run": comp.rel,
-        "full_run": p.full.rel,
-        "only_compressed": len(p.only_compressed),
-        "only_full": len(p.only_full),
-        "kv_kept_fraction": comp.metrics.kv.get("kept_fraction"),
-        **p.lengths,
-        **p.gains,
-    }
+    base = columns.figures(comp, p, "report", hardware) | p.lengths | p.gains
     return [
         {**base, "metric": key, "is_headline": key == comp.headline, **cell, **memory}
         for key, cell in sorted(p.cells.items())
@@ -141,7 +130,7 @@ def build(settings: ReportSettings) -> Report:
     problems = bad_files + problems
     rows, notes, report_lengths = [], [], {}
     for p, memory in zip(pairings, join_gains(pairings, settings, problems)):
-        rows += _cell_rows(p, memory)
+        rows += _cell_rows(p, memory, settings.hardware)
         report_lengths[p.compressed.rel] = p.per_problem
         notes += p.notes
         if p.only_compressed or p.only_full:
