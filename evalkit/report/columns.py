@@ -406,16 +406,32 @@ def markdown_table(headers: list[str], lines: list[list]) -> str:
     )
 
 
+def _where(c: Column) -> str:
+    where = [name for key, name in (("report", "report"), ("long", "leaderboard")) if key in c.csv]
+    if c.wide is not None:
+        where.append("wide `<b>" + (f"_{c.wide}" if c.wide else "") + "`")
+    return ", ".join(where).replace("{hw}", "<hw>")
+
+
+def _shown(c: Column) -> str:
+    """`diff [CI]` (headline, query): each report.md header with the tables that show it."""
+    by_header: dict[str, list[str]] = {}
+    for t, h in c.headers.items():
+        by_header.setdefault(h.replace("{hw}", "<hw>"), []).append(t)
+    return "; ".join(f"{h} ({', '.join(ts)})" for h, ts in by_header.items())
+
+
 def glossary() -> str:
-    """docs/report.md's glossary: every column, by group, where it lands and its report.md headers."""
-    lines = []
+    """docs/report.md's glossary of columns: per group, each column, the CSVs it is in (report.csv,
+    leaderboard.csv, leaderboard_wide.csv's per-budget name), its report.md headers and its meaning."""
+    parts = []
     for group, title in GROUPS.items():
-        for c in (c for c in COLUMNS if c.group == group):
-            where = [f for f, name in (("report", "report.csv"), ("long", "leaderboard.csv")) if f in c.csv]
-            where = [dict(report="report.csv", long="leaderboard.csv")[w] for w in where]
-            if c.wide is not None:
-                where.append("wide `<b>" + (f"_{c.wide}" if c.wide else "") + "`")
-            shown = ", ".join(f"{t}: {h}" for t, h in c.headers.items())
-            lines.append([f"`{c.name.replace('{hw}', '<hw>')}`", title, ", ".join(where), shown, c.doc])
-    lines += [[f"`{name}`", "leaderboard_wide.csv", "wide", "", doc] for name, doc in WIDE_LEAD]
-    return markdown_table(["column", "group", "in", "report.md header", "meaning"], lines)
+        lines = [
+            [f"`{c.name.replace('{hw}', '<hw>')}`", _where(c), _shown(c), c.doc]
+            for c in COLUMNS
+            if c.group == group
+        ]
+        if group == "label":
+            lines += [[f"`{name}`", "wide", "", doc] for name, doc in WIDE_LEAD]
+        parts.append(f"**{title}**\n\n" + markdown_table(["column", "in", "report.md", "meaning"], lines))
+    return "\n\n".join(parts)
