@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -416,3 +417,15 @@ def test_a_fold_killed_midway_counts_each_request_once(tmp_path):
     (folder / "generations.dp1.jsonl").write_text("\n".join(lines[3:]) + "\n")
     (unfinished,) = [m for m in build(settings(results_dir=str(tmp_path))).missing if "unfinished" in m]
     assert "(6 generations journaled in 2 files" in unfinished
+
+
+def test_a_deploy_tp_the_model_cannot_take_is_named_as_deploy_tp(tmp_path):
+    """The report's own setting, never the memory report's `parallel.tp` the user did not give."""
+    _sweep(tmp_path, "ruler", {128: 0})
+    base = settings(results_dir=str(tmp_path))
+    rep = build(replace(base, deploy=base.deploy | {"tp": 8}))
+    (problem,) = rep.problems
+    assert problem.endswith(
+        "memory model not joined (MemoryReportError: deploy.tp=8 does not divide both sn40l's 16 sockets and "
+        "the 9 attention heads of smollm2_135m: set deploy.tp=auto (the largest that does))"
+    )
