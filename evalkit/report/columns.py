@@ -376,8 +376,13 @@ def in_table(table: str, hardware) -> list[Column]:
 
 
 def figures(run, pairing, where: str, hardware=()) -> dict:
-    """The figures this registry computes (`value`) for a CSV's row of `run` and its pairing (or None)."""
-    return {c.name: c.value(run, pairing) for c in expanded(hardware) if c.value and where in c.csv}
+    """The figures this registry computes (`value`) for a row of `run` and its pairing (or None) in a CSV
+    ("report": also those report.md shows, its tables being views of report.csv's rows)."""
+    return {
+        c.name: c.value(run, pairing)
+        for c in expanded(hardware)
+        if c.value and (where in c.csv or (where == "report" and c.headers))
+    }
 
 
 def decimals(hardware) -> tuple[dict[str, int], dict[str, int]]:
