@@ -211,7 +211,7 @@ def _s(answer: str) -> Sample:
 
 
 def test_versions():
-    assert (aime24.VERSION, aime24.SCORER_VERSION) == (1, 3)  # a scorer-only change keeps the prompt version
+    assert (aime24.VERSION, aime24.SCORER_VERSION) == (1, 4)  # a scorer-only change keeps the prompt version
 
 
 def test_pass_at_1_and_cons_at_k():
