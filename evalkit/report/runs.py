@@ -147,6 +147,20 @@ def load_runs(results_dir: str | Path) -> tuple[list[Run], list[str]]:
     return runs, notes
 
 
+def journaled_keys(path: Path) -> set[str]:
+    """The request keys a journal file holds so far, read leniently: a run still writing it may have left a
+    torn last line, even one cut inside a UTF-8 character."""
+    keys = set()
+    for line in path.read_bytes().split(b"\n"):
+        try:
+            rec = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("key"), str):
+            keys.add(rec["key"])
+    return keys
+
+
 def unfinished(results_dir: str | Path) -> list[str]:
     """Run folders with a config or a journal but no metrics.json (a sweep still running, or killed),
     with how many generations their journal holds: under data parallel, every replica's shard
@@ -159,7 +173,8 @@ def unfinished(results_dir: str | Path) -> list[str]:
             continue
         files = journal_files(folder)  # under data parallel, the replica shards too
         shards = [f for f in files if SHARD.fullmatch(f.name)]
-        done = sum(1 for f in files for line in f.read_text().splitlines() if line.strip())
+        # distinct requests: a fold killed midway has a shard's records in generations.jsonl and the shard
+        done = len({key for f in files for key in journaled_keys(f)})
         where = (
             f" in {len(files)} files: a data-parallel run whose {len(shards)} replica shard(s) are not "
             "folded into generations.jsonl yet"
