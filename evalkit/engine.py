@@ -90,6 +90,10 @@ class _Row:
     share_s: float = 0.0  # this row's share of the decode steps' wall time
     logits: list[torch.Tensor] | None = None  # kept raw logits, (V,) each
     forced: deque = field(default_factory=deque)  # forced tokens still to feed (the request's `forced`)
+    # tokens in the cache before this answer (a conversation's later turn: the context, the earlier turns and
+    # its own question), and of them the ones the prefill compressed (the conversation's context)
+    before: int = 0
+    prefill: int = 0
 
 
 class Engine:
@@ -130,8 +134,10 @@ class Engine:
         # the progress bar's rates: prefill and decode apart (a prefill of 2k tokens is not slow decoding)
         self.prefill_s = self.decode_s = 0.0
         self.prefill_tokens = self.decode_tokens = 0
-        # bytes of one row's slot per layer (K and V), from the first prefill
+        # bytes of one row's slot per layer (K and V), and the KV heads this process caches (all the model's,
+        # or its share under tensor parallelism), from the first prefill
         self.layer_bytes: list[int] = []
+        self.kv_heads: int | None = None
 
     # --- the loop -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -170,6 +176,7 @@ class Engine:
                 start = time.perf_counter()
                 cache, logits = self._prefill(req)
                 self.layer_bytes = self.layer_bytes or [lay.entry_bytes() for lay in cache.layers]
+                self.kv_heads = self.kv_heads or int(cache.layers[0].keys.shape[1])  # (B, H_kv, T, D)
                 row = self._new_row(req, time.perf_counter() - start)
                 self.prefill_s += row.prefill_s
                 self.prefill_tokens += len(req.ids)
@@ -241,6 +248,8 @@ class Engine:
         nxt.turns = row.request.turns[1:]
         new = self._new_row(nxt, 0.0)
         new.forced.extendleft([] if row.tokens[-1] in self.eos else [row.tokens[-1]])
+        # the cache holds everything before the last answer token (written only when fed back), then this turn
+        new.before, new.prefill = row.before + len(row.tokens) - 1 + len(new.forced), row.prefill
         return new
 
     # --- one request ----------------------------------------------------------------------------------------
@@ -289,7 +298,10 @@ class Engine:
                 warpers.append(TopPLogitsWarper(top_p=cfg.top_p, min_tokens_to_keep=1))
         stops = [MultiTokenEOSCriteria(s, self.tokenizer, 0, 1) for s in req.until]
         logits = [] if req.keep_logits else None
-        return _Row(req, [], stops, generator, warpers, prefill_s, logits=logits, forced=deque(req.forced))
+        return _Row(
+            req, [], stops, generator, warpers, prefill_s, logits=logits, forced=deque(req.forced),
+            before=len(req.ids) + len(req.forced), prefill=len(req.ids),
+        )  # fmt: skip
 
     def _choose(self, row: _Row, logits: torch.Tensor) -> int:
         """transformers' token choice from logits (1, V): EOS masked before `min_new` tokens, then argmax, or
@@ -321,7 +333,8 @@ class Engine:
     def _done(self, row: _Row, ended: str, kv: dict) -> Done:
         req = row.request
         stats = dict(
-            prompt_tokens=len(req.ids) + len(req.forced),
+            prompt_tokens=row.before,  # every token before the answer: a conversation's earlier turns too
+            prefill_tokens=row.prefill,  # of them, those the prefill compressed (the rest was fed after it)
             max_new_tokens=req.max_new,
             output_tokens=len(row.tokens),
             hit_limit=ended == "limit",
@@ -334,6 +347,7 @@ class Engine:
             kv_seen=kv["seen"],
             kv_kept=kv["kept"],
             kv_evicted_generated=kv["evicted_generated"],
+            kv_heads=self.kv_heads,  # kv_bytes hold these heads: under TP a rank's share of the cache
         )
         if req.forced:  # query_aware=false: the question's tokens were fed as decoded ones (counted as such)
             stats["question_tokens"] = len(req.forced)

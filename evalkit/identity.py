@@ -1,5 +1,6 @@
 """What a run is: which settings count for its generations and for its scoring, the hashes that tell two
-configurations apart, and what a run folder's state means for a new invocation (new / rescore / done /
+configurations apart (`short_hash`: every identity and hashed folder-name part), the run folder's path (a pure
+function of the config), and what a run folder's state means for a new invocation (new / rescore / done /
 refuse).
 
 The runner records the hashes in metrics.json (`identity`); the report pairs runs on them and derives them
@@ -11,12 +12,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from evalkit.journal import task_id
-from evalkit.results import short_hash
 
 # Settings that never change a generation: where results live, how a task grades (the code sandbox's limits),
 # which score a table shows first, and how a served model is reached (its address, concurrency, retries: the
@@ -74,6 +75,11 @@ def run_identity(cfg: DictConfig | dict) -> str:
 
 
 # --- the hashes ---------------------------------------------------------------------------------------------
+def short_hash(obj) -> str:
+    """16 hex digits of sha256 over canonical JSON: identities of configurations and folder-name parts."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def generation_fields(cfg: DictConfig | dict, task_version, data_hash) -> dict:
     """What the generation identity hashes: the generation settings but the method (model, task and its load,
     generation and repeats, limit, seed, batch size), the task version and the data hash."""
@@ -128,6 +134,75 @@ def identity(plan, loaded) -> dict:
     return hashes(plan.cfg, module.VERSION, loaded.data_hash, module.SCORER_VERSION) | {
         "scoring": scoring_identity(plan)
     }
+
+
+# --- the run folder's path ----------------------------------------------------------------------------------
+def budget_tag(method_cfg: DictConfig, defaults: DictConfig) -> str:
+    """`<budget>` plus `-<key><value>` for every method setting changed from its conf default."""
+    tag = "none" if method_cfg.get("budget") is None else str(method_cfg.budget)
+    for key in sorted(k for k in method_cfg if k not in ("_target_", "budget")):
+        if method_cfg[key] != defaults.get(key):
+            tag += f"-{key}{method_cfg[key]}"
+    return tag
+
+
+# Task and model keys that name the conf rather than set it, or never change a generation
+# (NOT_GENERATION holds the same grading/serving keys); the run settings that change what is
+# generated (batch_size and compile leave outputs equal, results_dir is where).
+NAMING_KEYS = {"name", "module", "lm_eval_task", "setup", "headline"}
+SERVING_KEYS = {"base_url", "num_concurrent", "max_retries", "timeout_s"}
+RUN_KEYS = ("limit", "seed", "query_aware", "multi_question")
+_SAFE = re.compile(r"[A-Za-z0-9_.+]+")
+
+
+def _leaves(node, prefix: str = "") -> dict:
+    out = {}
+    for key, value in (node or {}).items():
+        if isinstance(value, dict) and value:
+            out |= _leaves(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _value(v) -> str:
+    """A setting's value as a folder-name part: lists joined by '+', anything not name-safe (a path)
+    hashed."""
+    if isinstance(v, list | tuple):
+        return "+".join(_value(x) for x in v)
+    text = "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+    return text if _SAFE.fullmatch(text) else "h" + short_hash(text)[:8]
+
+
+def settings_tag(node: dict, defaults: dict, skip: set = frozenset()) -> str:
+    """`-<key><value>` for every setting that differs from its conf default (`load.` left out of the key)."""
+    now, was = _leaves(node), _leaves(defaults)
+    tag = ""
+    for key in sorted(now):
+        if key.split(".")[0] in skip or now[key] == was.get(key, object()):
+            continue
+        tag += f"-{key.removeprefix('load.')}{_value(now[key])}"
+    return tag
+
+
+def run_dir(
+    cfg: DictConfig, method_name: str, method_defaults: DictConfig, defaults: DictConfig | None
+) -> Path:
+    """The output path: a pure function of the config (no timestamps, no de-duplication suffixes). Settings
+    changed from the confs' defaults join the folder names, so a 6-problem run never meets a 24-problem one:
+    `runs/ruler-lengths1024-n1/<model>/snapstream/256-recent64`. `defaults`: the composed default config of
+    this task and model (None: a conf evalkit does not list; its settings are then the defaults)."""
+    task, model = cfg.task.name, cfg.model.name
+    if defaults is not None:
+        now = OmegaConf.to_container(cfg, resolve=True)
+        was = OmegaConf.to_container(defaults, resolve=True)
+        run = {k: now.get(k) for k in RUN_KEYS}
+        task += settings_tag(now["task"], was["task"], NAMING_KEYS) + settings_tag(
+            run, {k: was.get(k) for k in RUN_KEYS}
+        )
+        model += settings_tag(now["model"], was["model"], NAMING_KEYS | SERVING_KEYS)
+    tag = budget_tag(cfg.method, method_defaults)
+    return Path(cfg.results_dir) / "runs" / task / model / method_name / tag
 
 
 # --- what a run folder's state means ------------------------------------------------------------------------

@@ -188,21 +188,6 @@ def read_records(path: Path, run: str | None = None) -> tuple[dict[str, dict], l
     return out, problems
 
 
-def line_keys(path: Path) -> set[str]:
-    """The request keys a journal file's lines name, leniently (a line that is JSON with a string "key"), for
-    counting what an unfinished run holds: a torn line, one cut inside a UTF-8 character or a shard's stamp
-    names none. Read only."""
-    keys = set()
-    for line in path.read_bytes().split(b"\n"):
-        try:
-            obj = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            continue
-        if isinstance(obj, dict) and isinstance(obj.get("key"), str):
-            keys.add(obj["key"])
-    return keys
-
-
 class Journal:
     """Append-only JSONL of finished generations keyed by request; the resume point after a crash.
 

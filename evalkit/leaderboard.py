@@ -14,9 +14,9 @@ generation identity) is its own labelled row or column: nothing is ever averaged
                                   the paired difference to `full`, its CI, p-value and verdict
     results/plots/<task>_<model>.png   headline score vs budget, one panel per problem set, one line per
                                   configuration, `full` dashed
-Figures are rounded to fixed decimals (DECIMALS); a missing value is an empty cell, never NaN. A metrics.json
-that cannot be read is skipped with a warning naming it. Paired statistics use the settings of
-conf/report.yaml, so the leaderboard and `make report` agree.
+Columns, their order and fixed decimals are evalkit.report.columns' (the report's registry); a missing value
+is an empty cell, never NaN. A metrics.json that cannot be read is skipped with a warning naming it. Paired
+statistics use the settings of conf/report.yaml, so the leaderboard and `make report` agree.
 Usage: `python -m evalkit.leaderboard [results_dir=]<folder>` (default: results).
 """
 
@@ -30,78 +30,17 @@ from pathlib import Path
 import pandas as pd
 
 from evalkit.errors import EvalkitError, OutputError, exit_with
+from evalkit.report import columns
 from evalkit.report import settings as report_settings
 from evalkit.report.build import join_gains, pair_all
+from evalkit.report.columns import config_label
 from evalkit.report.lengths import run_shares
 from evalkit.report.runs import Run, RunError, load_runs
 from evalkit.results import atomic_write, save_figure
 
 log = logging.getLogger(__name__)
 
-# What tells two runs apart; `run` (the folder) is unique per run.
-LABELS = [
-    "model",
-    "task",
-    "method",
-    "settings",
-    "query_aware",
-    "budget",
-    "task_version",
-    "scorer_version",
-    "data_source",
-    "data_hash",
-    "generation",
-    "run",
-]
-PAIRED = [
-    "paired_with",
-    "n_paired",
-    "paired_diff",
-    "ci_low",
-    "ci_high",
-    "p_value",
-    "test",
-    "margin",
-    "verdict",
-]
-# the run's own figures, repeated on each of its rows (metrics.json: kv.*, generation.*)
-RUN_FIGURES = ["kv_kept_fraction", "kv_peak_bytes", "wall_time_s", "mean_output_tokens"]
-# beside the score: the paired length columns of the report (compressed vs its full run: median per-problem
-# ratio of output tokens and its CI, full/compressed tokens, the memory-bound and effective decode gains per
-# hardware) and the run's own failure shares (percent of its outputs)
-LENGTHS = ["length_ratio", "length_ratio_ci_low", "length_ratio_ci_high", "token_gain"]
-SHARES = ["hit_limit", "no_answer", "repeating"]
-
-
-def gain_columns(hardware: list[str]) -> list[str]:
-    return [f"tok_s_gain_{h}" for h in hardware] + [f"effective_gain_{h}" for h in hardware]
-
-
-def long_columns(hardware: list[str]) -> list[str]:
-    return (
-        LABELS
-        + ["headline", "metric", "subset", "score", "stderr", "n"]
-        + LENGTHS
-        + gain_columns(hardware)
-        + SHARES
-        + RUN_FIGURES
-        + ["git_sha"]
-        + PAIRED
-    )
-
-
-# Fixed decimals per column: scores and differences in points, p-values, ratios, seconds, tokens.
-POINTS = ("score", "stderr", "paired_diff", "ci_low", "ci_high", "margin", "full", "vs_full")
-DECIMALS = (
-    {c: 2 for c in POINTS}
-    | {"p_value": 4, "p": 4, "kv_kept_fraction": 4}
-    | {
-        "wall_time_s": 1,
-        "mean_output_tokens": 1,
-    }
-    | {c: 3 for c in LENGTHS}
-    | {c: 2 for c in SHARES}
-)
+# The wide table's rows: one per configuration and metric (the labels that tell configurations apart).
 WIDE_INDEX = [
     "model",
     "task",
@@ -114,60 +53,39 @@ WIDE_INDEX = [
     "data_hash",
     "generation",
 ]
-PER_BUDGET = {
-    "paired_diff": "vs_full",
-    "ci_low": "ci_low",
-    "ci_high": "ci_high",
-    "p_value": "p",
-    "verdict": "verdict",
-    "length_ratio": "length_ratio",
-    "hit_limit": "hit_limit",
-}
+
+
+def long_columns(hardware: list[str]) -> list[str]:
+    """leaderboard.csv's columns, in order (evalkit.report.columns)."""
+    return [c.name for c in columns.in_csv("long", hardware)]
 
 
 def labels(run: Run) -> dict:
-    m = run.metrics
-    return {
-        "model": run.model, "task": run.task, "method": run.method, "settings": run.settings,
-        "query_aware": run.query_aware, "budget": run.budget, "task_version": m.task_version,
-        "scorer_version": m.scorer_version,
-        "data_source": m.data_source, "data_hash": m.data_hash,
-        "generation": run.identity["generation"], "run": run.rel,
-    }  # fmt: skip
+    """What tells `run` apart from every other (its label columns)."""
+    return {c.name: c.value(run, None) for c in columns.COLUMNS if c.group == "label" and "long" in c.csv}
 
 
-def _length_figures(run: Run, pairing) -> dict:
-    """The paired length columns (empty for a full or unpaired run) and the run's own failure shares."""
-    out = {c: (pairing.lengths.get(c) if pairing else None) for c in LENGTHS}
-    out |= dict(pairing.gains) if pairing else {}
+def _pair_figures(pairing) -> dict:
+    """A pairing's figures: the length columns and the gains (empty for a full or unpaired run)."""
+    return (pairing.lengths | pairing.gains) if pairing else {}
+
+
+def long_rows(run: Run, pairing=None, hardware: list[str] = ()) -> list[dict]:
+    """One row per score key (`metric/subset`); the registry's figures of the run, its pairing's, its own
+    failure shares, and the paired columns where paired."""
     try:
-        return out | run_shares(run.samples())
+        shares = run_shares(run.samples())
     except RunError:  # an empty or unreadable samples.jsonl: its shares stay empty (pairing says why)
-        return out
-
-
-def long_rows(run: Run, pairing=None) -> list[dict]:
-    """One row per score key (`metric/subset`), plus mean output tokens; paired columns where paired."""
-    m = run.metrics
-    kv, gen = m.kv, m.generation
-    base = (
-        labels(run)
-        | _length_figures(run, pairing)
-        | {
-            "kv_kept_fraction": kv.get("kept_fraction"),
-            "kv_peak_bytes": kv.get("peak_bytes"),
-            "wall_time_s": gen.get("wall_time_s"),
-            "mean_output_tokens": gen.get("mean_output_tokens"),
-            "git_sha": m.git_sha,
-        }
-    )
+        shares = {}
+    base = columns.figures(run, pairing, "long", hardware) | _pair_figures(pairing) | shares
+    paired = [c.name for c in columns.COLUMNS if c.group == "cell" and "long" in c.csv]
     rows = []
-    for key, v in m.scores.items():
+    for key, v in run.metrics.scores.items():
         metric, _, subset = key.partition("/")
         cell = pairing.cells.get(key, {}) if pairing else {}
-        paired = {c: cell.get(c) for c in PAIRED} | {"paired_with": pairing.full.rel if pairing else None}
+        cells = {c: cell.get(c) for c in paired} | {"paired_with": pairing.full.rel if pairing else None}
         if not run.is_full and pairing is None:
-            paired["verdict"] = "unpaired"  # the warning logged by `build` says why
+            cells["verdict"] = "unpaired"  # the warning logged by `build` says why
         rows.append(
             {
                 **base,
@@ -177,7 +95,7 @@ def long_rows(run: Run, pairing=None) -> list[dict]:
                 "score": v["mean"],
                 "stderr": v.get("stderr"),
                 "n": v.get("n"),
-                **paired,
+                **cells,
             }
         )
     return rows
@@ -185,7 +103,8 @@ def long_rows(run: Run, pairing=None) -> list[dict]:
 
 def long_table(runs: list[Run], pairings: dict, hardware: list[str]) -> pd.DataFrame:
     df = pd.DataFrame(
-        [r for run in runs for r in long_rows(run, pairings.get(run.rel))], columns=long_columns(hardware)
+        [r for run in runs for r in long_rows(run, pairings.get(run.rel), hardware)],
+        columns=long_columns(hardware),
     )
     for c in ("budget", "n", "kv_peak_bytes", "n_paired"):
         df[c] = df[c].astype("Int64")
@@ -200,14 +119,17 @@ def _full_first(col: pd.Series) -> pd.Series:
     return col.map(lambda v: "" if v == "full" else v) if col.name == "method" else col
 
 
-def rounded(df: pd.DataFrame) -> pd.DataFrame:
-    """Fixed decimals per column (DECIMALS; per-budget wide columns by their suffix)."""
+def rounded(df: pd.DataFrame, hardware: list[str]) -> pd.DataFrame:
+    """Fixed decimals per column (evalkit.report.columns; a wide per-budget column `<b>_<suffix>` by its
+    suffix, `<b>` as the score)."""
+    by_name, by_suffix = columns.decimals(hardware)
     out = df.copy()
     for c in out.columns:
-        suffix = str(c).split("_", 1)[1] if str(c)[:1].isdigit() and "_" in str(c) else str(c)
-        places = DECIMALS.get(str(c), DECIMALS.get(suffix, 2 if str(c).isdigit() else None))
-        if suffix.startswith(("tok_s_gain_", "effective_gain_")):  # per hardware: ratios, like LENGTHS
-            places = 3
+        c = str(c)
+        if c[:1].isdigit():
+            places = by_suffix.get(c.split("_", 1)[1] if "_" in c else "")
+        else:
+            places = by_name.get(c)
         if places is None:
             continue
         if out[c].dtype == object:  # a pivot of mixed columns: numbers held as objects
@@ -220,8 +142,13 @@ def rounded(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def to_csv(df: pd.DataFrame) -> str:
-    return rounded(df).to_csv(index=False, na_rep="")
+def to_csv(df: pd.DataFrame, hardware: list[str]) -> str:
+    return rounded(df, hardware).to_csv(index=False, na_rep="")
+
+
+def _per_budget(hardware: list[str]) -> dict[str, str]:
+    """Each per-budget column of the wide table: its source column -> its suffix (`<b>` and `<b>_n` apart)."""
+    return {c.name: c.wide for c in columns.wide(hardware) if c.name not in ("score", "n")}
 
 
 def _headline_records(runs: list[Run], pairings: dict, hardware: list[str]) -> pd.DataFrame:
@@ -230,7 +157,9 @@ def _headline_records(runs: list[Run], pairings: dict, hardware: list[str]) -> p
         p = pairings.get(run.rel)
         cell = p.cells.get(run.headline, {}) if p else {}
         score = run.metrics.scores.get(run.headline, {})
-        figures = (p.lengths | {"hit_limit": p.lengths.get("hit_limit_compressed")} | p.gains) if p else {}
+        # the wide table's hit limit is the paired problems' (the long table's is the run's own share)
+        figures = _pair_figures(p) | {"hit_limit": p.lengths.get("hit_limit_compressed")} if p else {}
+        figures |= columns.figures(run, p, "wide", hardware)
         full = p.full.metrics.scores.get(run.headline, {}) if p else {}
         recs.append(
             {
@@ -242,8 +171,7 @@ def _headline_records(runs: list[Run], pairings: dict, hardware: list[str]) -> p
                 "n": score.get("n"),
                 "full": (score if run.is_full else full).get("mean"),
                 "full_n": (score if run.is_full else full).get("n"),
-                **{c: cell.get(c, figures.get(c)) for c in PER_BUDGET},
-                **{c: figures.get(c) for c in gain_columns(hardware)},
+                **{c: cell.get(c, figures.get(c)) for c in _per_budget(hardware)},
             }
         )
     df = pd.DataFrame(recs)
@@ -265,7 +193,7 @@ def wide_table(runs: list[Run], pairings: dict, hardware: list[str]) -> pd.DataF
     comp = df[df.method != "full"]
     if comp.empty:
         return fulls.reset_index(drop=True)
-    per_budget = PER_BUDGET | {c: c for c in gain_columns(hardware)}
+    per_budget = _per_budget(hardware)
     values = ["score", "n", *per_budget]
     wide = comp.pivot(
         index=WIDE_INDEX, columns="budget", values=values
@@ -326,17 +254,13 @@ def panels(runs: list[Run]) -> dict[tuple[str, str], list[dict]]:
             panel = {"title": names[gen], "full": [], "lines": {}}
             for r in sorted(rs, key=lambda r: (r.method, r.settings, r.budget or 0)):
                 v = r.metrics.scores[r.headline]
-                label = _config(r.method, r.settings)
+                label = config_label(r.method, r.settings)
                 if r.is_full:
                     panel["full"].append((label, v["mean"], v.get("stderr") or 0.0, v.get("n")))
                 else:
                     panel["lines"].setdefault(label, []).append((r.budget, v["mean"], v.get("stderr") or 0.0))
             out[key].append(panel)
     return out
-
-
-def _config(method: str, settings: str) -> str:
-    return method if settings == "default" else f"{method} {settings}"
 
 
 def _model_title(rs: list[Run]) -> str:
@@ -405,8 +329,8 @@ def build(results_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, list[Path]]:
         log.warning("no effective gain: %s", problem)
     pairings = {p.compressed.rel: p for p in found}
     long, wide = long_table(runs, pairings, s.hardware), wide_table(runs, pairings, s.hardware)
-    atomic_write(results_dir / "leaderboard.csv", to_csv(long))
-    atomic_write(results_dir / "leaderboard_wide.csv", to_csv(wide))
+    atomic_write(results_dir / "leaderboard.csv", to_csv(long, s.hardware))
+    atomic_write(results_dir / "leaderboard_wide.csv", to_csv(wide, s.hardware))
     return long, wide, plot(runs, results_dir / "plots")
 
 

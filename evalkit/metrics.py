@@ -53,10 +53,13 @@ class KVRecord(TypedDict, total=False):
 
     kept_fraction: float | None  # mean kept / seen per request: 1 = nothing evicted, lower = more compressed
     mean_kept_entries: float | None
-    peak_bytes: int | None
+    peak_bytes: int | None  # the peak request's whole cache (every KV head), under any process layout
+    peak_bytes_per_rank: int | None  # what one process held of it (a TP rank: its share of the KV heads)
     peak_entries: int | None
-    peak_prompt_tokens: int | None  # of the peak request (of equal bytes, the longest): the memory report
-    # predicts its entries from these lengths
+    peak_prompt_tokens: int | None  # of the peak request (of equal entries, the longest): the memory report
+    # predicts its entries from these lengths; prefill: the tokens its prefill compressed (the rest, a
+    # question fed after it and a conversation's earlier turns, was appended)
+    peak_prefill_tokens: int | None
     peak_seen_tokens: int | None
     evicted_generated_mean: float | None
     cache_layout: str | None  # "per_head" or "latent"

@@ -1,4 +1,5 @@
-"""The run folder: its pure-function path, its lock, atomic writes, and the provenance a run records.
+"""The run folder: its lock, atomic writes, and the provenance a run records (its path, a pure function of the
+config, is part of what a run is: evalkit.identity.run_dir).
 
 <results_dir>/runs/<task>/<model>/<method>/<budget>/
     config.yaml         the resolved config, written first: a rerun with another config is refused
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import tempfile
 from importlib import metadata
@@ -25,81 +25,6 @@ from omegaconf import DictConfig, OmegaConf
 from evalkit.errors import EvalkitError
 
 PACKAGES = ("evalkit", "torch", "transformers", "lm_eval", "datasets", "hydra-core", "pandas", "accelerate")
-
-
-def budget_tag(method_cfg: DictConfig, defaults: DictConfig) -> str:
-    """`<budget>` plus `-<key><value>` for every method setting changed from its conf default."""
-    tag = "none" if method_cfg.get("budget") is None else str(method_cfg.budget)
-    for key in sorted(k for k in method_cfg if k not in ("_target_", "budget")):
-        if method_cfg[key] != defaults.get(key):
-            tag += f"-{key}{method_cfg[key]}"
-    return tag
-
-
-# Task and model keys that name the conf rather than set it, or never change a generation
-# (identity.NOT_GENERATION holds the same grading/serving keys); the run settings that change what is
-# generated (batch_size and compile leave outputs equal, results_dir is where).
-NAMING_KEYS = {"name", "module", "lm_eval_task", "setup", "headline"}
-SERVING_KEYS = {"base_url", "num_concurrent", "max_retries", "timeout_s"}
-RUN_KEYS = ("limit", "seed", "query_aware", "multi_question")
-_SAFE = re.compile(r"[A-Za-z0-9_.+]+")
-
-
-def _leaves(node, prefix: str = "") -> dict:
-    out = {}
-    for key, value in (node or {}).items():
-        if isinstance(value, dict) and value:
-            out |= _leaves(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _value(v) -> str:
-    """A setting's value as a folder-name part: lists joined by '+', anything not name-safe (a path)
-    hashed."""
-    if isinstance(v, list | tuple):
-        return "+".join(_value(x) for x in v)
-    text = "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
-    return text if _SAFE.fullmatch(text) else "h" + short_hash(text)[:8]
-
-
-def settings_tag(node: dict, defaults: dict, skip: set = frozenset()) -> str:
-    """`-<key><value>` for every setting that differs from its conf default (`load.` left out of the key)."""
-    now, was = _leaves(node), _leaves(defaults)
-    tag = ""
-    for key in sorted(now):
-        if key.split(".")[0] in skip or now[key] == was.get(key, object()):
-            continue
-        tag += f"-{key.removeprefix('load.')}{_value(now[key])}"
-    return tag
-
-
-def run_dir(
-    cfg: DictConfig, method_name: str, method_defaults: DictConfig, defaults: DictConfig | None
-) -> Path:
-    """The output path: a pure function of the config (no timestamps, no de-duplication suffixes). Settings
-    changed from the confs' defaults join the folder names, so a 6-problem run never meets a 24-problem one:
-    `runs/ruler-lengths1024-n1/<model>/snapstream/256-recent64`. `defaults`: the composed default config of
-    this task and model (None: a conf evalkit does not list; its settings are then the defaults)."""
-    task, model = cfg.task.name, cfg.model.name
-    if defaults is not None:
-        now = OmegaConf.to_container(cfg, resolve=True)
-        was = OmegaConf.to_container(defaults, resolve=True)
-        run = {k: now.get(k) for k in RUN_KEYS}
-        task += settings_tag(now["task"], was["task"], NAMING_KEYS) + settings_tag(
-            run, {k: was.get(k) for k in RUN_KEYS}
-        )
-        model += settings_tag(now["model"], was["model"], NAMING_KEYS | SERVING_KEYS)
-    tag = budget_tag(cfg.method, method_defaults)
-    return Path(cfg.results_dir) / "runs" / task / model / method_name / tag
-
-
-def short_hash(obj) -> str:
-    """16 hex digits of sha256 over canonical JSON: identities of configurations and folder-name parts."""
-    import hashlib
-
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def check_writable(folder: Path) -> None:

@@ -35,10 +35,10 @@ from evalkit.config import (
     model_spec,
 )
 from evalkit.errors import EvalkitError, exit_with
-from evalkit.identity import check_folder, classify, run_identity
+from evalkit.identity import check_folder, classify, run_dir, run_identity
 from evalkit.journal import Journal, fold_shards, open_journals, request_keys
 from evalkit.kv.config import canonical, make_method, method_class
-from evalkit.results import RunLock, atomic_write, check_writable, config_yaml, run_dir
+from evalkit.results import RunLock, atomic_write, check_writable, config_yaml
 from evalkit.summary import announce, next_step, print_table, summarize
 from evalkit.task import DataError
 from evalkit.team import Ranks, Team

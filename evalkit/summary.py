@@ -28,22 +28,40 @@ def _mean(xs):
 def kv_summary(gens: list[dict], model_config) -> dict:
     """Measured compression and memory over every generation of the run. A served model's cache lives in the
     server: its generations carry no KV statistics, and every figure here is then null (unmeasured), never
-    0."""
+    0. `peak_bytes` is the whole cache of the peak request, whatever the layout; `peak_bytes_per_rank` what
+    one process held of it (under tensor parallelism its share of the KV heads)."""
     gens = [g for g in gens if g.get("kv_bytes") is not None]
-    # the peak request: most bytes, and of equal bytes (a fixed-size cache) the longest, so peak_prompt_tokens
-    # is the longest prompt the cache held at its peak, not whichever request came first
-    peak = max(gens, key=lambda g: (g["kv_bytes"], g["kv_seen"] or 0)) if gens else {}
+    # the peak request: most entries, and of equal entries (a fixed-size cache) the longest, so
+    # peak_prompt_tokens is the longest prompt the cache held at its peak, not whichever request came first;
+    # never by bytes, which are a TP rank's share, and of several layouts in a run resumed across them
+    peak = max(gens, key=lambda g: (g["kv_slots"], g["kv_seen"] or 0)) if gens else {}
     latent = getattr(model_config, "kv_lora_rank", None) is not None
     return {
         "kept_fraction": _mean(g["kv_kept"] / g["kv_seen"] for g in gens if g["kv_seen"]),
         "mean_kept_entries": _mean(g["kv_kept"] for g in gens),
-        "peak_bytes": peak.get("kv_bytes"),
+        "peak_bytes": whole_cache_bytes(peak, cached_heads(model_config)) if gens else None,
+        "peak_bytes_per_rank": peak.get("kv_bytes"),
         "peak_entries": peak.get("kv_slots"),
         "peak_prompt_tokens": peak.get("prompt_tokens"),  # of the request at the peak: lets the memory
-        "peak_seen_tokens": peak.get("kv_seen"),  # report predict its entries from lengths alone
+        "peak_prefill_tokens": peak.get("prefill_tokens"),  # report predict its entries from lengths alone
+        "peak_seen_tokens": peak.get("kv_seen"),
         "evicted_generated_mean": _mean(g["kv_evicted_generated"] for g in gens),
         "cache_layout": ("latent" if latent else "per_head") if gens else None,
     }
+
+
+def cached_heads(model_config) -> int:
+    """KV heads of the model's cache: one latent under MLA, else every KV head."""
+    if getattr(model_config, "kv_lora_rank", None) is not None:
+        return 1
+    return getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+
+
+def whole_cache_bytes(gen: dict, heads: int) -> int:
+    """A generation's KV bytes over all `heads`: its record holds the bytes of the `kv_heads` its process
+    cached (a TP rank's share; MLA's latent is replicated, whole on every rank). A record written before
+    `kv_heads` was recorded came from one process: whole."""
+    return gen["kv_bytes"] * heads // (gen.get("kv_heads") or heads)
 
 
 def generation_summary(gens: list[dict]) -> dict:

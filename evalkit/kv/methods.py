@@ -211,9 +211,14 @@ class H2O(KVMethod):
 
     def __post_init__(self):
         _check_budget(self.name, self.budget)
+        if self.budget < 2:  # named as given: with `recent` unset, its derived 0 is no setting of the user's
+            raise ValueError(
+                f"{self.name}: budget must be >= 2 (at least one recent entry and one to evict), got "
+                f"budget={self.budget}"
+            )
         if self.recent is None:
             self.recent = self.budget // 2
-        if self.budget < 2 or not 1 <= self.recent <= self.budget - 1:
+        if not 1 <= self.recent <= self.budget - 1:
             raise ValueError(
                 f"{self.name}: recent must be in [1, budget - 1] so a full cache has an entry to evict, "
                 f"got recent={self.recent}, budget={self.budget}"

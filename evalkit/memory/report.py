@@ -185,13 +185,16 @@ def paper_check(dep: Deployment, cfg: dict) -> list[dict[str, Any]]:
     return out
 
 
-def run_entries(method: str, budget: int | None, prompt: int, seen: int) -> int:
-    """Slots an evalkit cache holds after `seen` tokens of which `prompt` were the prompt: fixed-size
-    caches hold B (static shape), full every token, snapkv min(prompt, B) then every decoded token."""
+def run_entries(method: str, budget: int | None, prefill: int, seen: int) -> int:
+    """Slots an evalkit cache holds after `seen` tokens of which its prefill compressed `prefill`: fixed-size
+    caches hold B (static shape: a ring the question, answers and later turns pass through), full every
+    token, snapkv min(prefill, B) and every token fed after the prefill. Query-aware, the prefill is the
+    whole prompt; query-agnostic, the context alone (the question is fed after it); in a multi-question
+    conversation the context, with every later question and answer appended."""
     if method == "full":
         return seen
     if method == "snapkv":
-        return min(prompt, int(budget)) + (seen - prompt)
+        return min(prefill, int(budget)) + (seen - prefill)
     return int(budget)
 
 
@@ -210,10 +213,9 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
             peak_bytes, peak_entries = int(kv["peak_bytes"]), int(kv["peak_entries"])
             geo = kv_geometry(hf_config, dtype, kv["cache_layout"])
             if kv.get("peak_seen_tokens") is not None:
-                source = "lengths"
-                entries = run_entries(
-                    method, budget, int(kv["peak_prompt_tokens"]), int(kv["peak_seen_tokens"])
-                )
+                # a metrics.json from before `peak_prefill_tokens`: the prompt was the prefill (query-aware)
+                source, prefill = "lengths", kv.get("peak_prefill_tokens") or kv["peak_prompt_tokens"]
+                entries = run_entries(method, budget, int(prefill), int(kv["peak_seen_tokens"]))
             elif method in FIXED_SIZE:
                 source, entries = "budget", int(budget)
             else:  # an older metrics.json without lengths: a growing cache cannot be predicted, only echoed

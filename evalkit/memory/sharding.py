@@ -11,6 +11,7 @@ the bytes per GPU.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,27 +27,45 @@ EMBEDDING = {"embedding_rowwise": 0, "embedding_colwise": 1}
 PACKED_SPLIT = 2  # halves in a packed tensor (transformers' split_factor)
 
 
+def split_length(shape: tuple[int, ...], style: str | None, is_bias: bool) -> int | None:
+    """The length of the dimension `style` splits across ranks (of a packed tensor: one half's), or None
+    when it splits none."""
+    if style in COLWISE:
+        return shape[len(shape) - 2]
+    if style in ROWWISE and not is_bias:
+        return shape[-1]
+    if style in EMBEDDING:
+        return shape[EMBEDDING[style]]
+    if style in PACKED and not (style == "packed_rowwise" and len(shape) == 1):
+        return shape[-1] if len(shape) == 1 else shape[PACKED[style]] // PACKED_SPLIT
+    return None
+
+
 def shard_numel(shape: tuple[int, ...], style: str | None, tp: int, is_bias: bool) -> int:
     """Elements the largest rank holds of a tensor of `shape` under `style`. Torch's DTensor gives rank 0
     ceil(n / tp) of a split dimension (the last rank the remainder), so rank 0 is the largest."""
-    numel = math.prod(shape)
-    dim = None
-    if style in COLWISE:
-        dim = len(shape) - 2
-    elif style in ROWWISE and not is_bias:
-        dim = -1
-    elif style in EMBEDDING:
-        dim = EMBEDDING[style]
-    elif style in PACKED and not (style == "packed_rowwise" and len(shape) == 1):
-        if len(shape) == 1:
-            dim = -1
-        else:
-            n = shape[PACKED[style]]
-            return numel // n * PACKED_SPLIT * math.ceil(n / PACKED_SPLIT / tp)
-    if dim is None or tp == 1:
+    numel, n = math.prod(shape), split_length(shape, style, is_bias)
+    if n is None or tp == 1:
         return numel
-    n = shape[dim]
+    if style in PACKED and len(shape) > 1:
+        return numel // (n * PACKED_SPLIT) * PACKED_SPLIT * math.ceil(n / tp)
     return numel // n * math.ceil(n / tp)
+
+
+def uneven_splits(model, plan: dict[str, str], tp: int, heads: int) -> list[str]:
+    """What `tp` cannot split evenly in the decoder layers: the attention heads where the plan splits
+    attention projections (a rank holds whole heads), and each dimension the plan splits (every rank holds an
+    equal part: transformers' sharded layers fail on the first forward pass otherwise), one per parameter
+    name with its layer index as `*`."""
+    out = []
+    if heads % tp and any(".self_attn." in name for name in plan):
+        out.append(f"num_attention_heads={heads} (the attention projections are split by head)")
+    for name, p in model.named_parameters():
+        n = split_length(tuple(p.shape), plan.get(name), name.endswith(".bias"))
+        where = re.sub(r"\.\d+\.", ".*.", name)
+        if ".layers." in name and n is not None and n % tp and not any(o.startswith(where) for o in out):
+            out.append(f"{where} ({n} along the dimension {plan[name]} splits)")
+    return out
 
 
 def meta_model(hf_config: dict):
@@ -147,6 +166,12 @@ def shard_model(
         raise MemoryReportError(
             f"parallel.tp_size={tp} does not divide num_key_value_heads={kv.cached_heads}: transformers "
             "shards k_proj/v_proj by KV head and would fail; choose a tp_size that divides it"
+        )
+    if uneven := uneven_splits(model, plan, tp, int(hf_config.get("num_attention_heads") or 0)):
+        more = f" and {len(uneven) - 1} more" if len(uneven) > 1 else ""
+        raise MemoryReportError(
+            f"parallel.tp_size={tp} does not divide {uneven[0]}{more}: no such layout runs (the model would "
+            "load, then fail on every rank); choose a tp_size dividing what the tensor-parallel plan splits"
         )
     w_bits = dtype_bits(weight_dtype, "model.weight_dtype")
     o_bits = dtype_bits(other_dtype, "model.other_dtype")

@@ -104,13 +104,23 @@ class Deployment:
         if self.tp <= 0 or hw.sockets % self.tp:
             raise MemoryReportError(f"parallel.tp={self.tp} does not divide hardware.sockets={hw.sockets}")
         if kv.heads % self.tp:
-            raise MemoryReportError(f"parallel.tp={self.tp} does not divide num_attention_heads={kv.heads}")
+            raise MemoryReportError(
+                f"parallel.tp={self.tp}{self._tp_source()} does not divide num_attention_heads={kv.heads} of "
+                f"{self.model.name}: set parallel.tp to a divisor of both (e.g. "
+                f"parallel.tp={math.gcd(hw.sockets, kv.heads)})"
+            )
         if self.attention == "tp_kv_heads" and kv.cached_heads % self.tp:
             field = "num_key_value_heads" if kv.layout == "per_head" else "kv_lora_rank (latent: 1 KV head)"
             raise MemoryReportError(
                 f"parallel.tp={self.tp} does not divide the {kv.cached_heads} cached KV heads ({field}); "
                 "use parallel.attention=dp_attention"
             )
+
+    def _tp_source(self) -> str:
+        """Where a tp equal to the sockets most likely came from: the hardware the user chose."""
+        if self.tp != self.hw.sockets:
+            return ""
+        return f" (hardware={self.hw.name}: one per each of its {self.hw.sockets} sockets unless set)"
 
     @property
     def kv_shard(self) -> int:

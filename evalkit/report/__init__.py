@@ -8,7 +8,9 @@ run that generated from the same prompts, and writes `<results_dir>/report/{repo
     lengths.py  output length and failure per paired problem: token ratio and its CI, hit limit, no answer,
                 repeating tail
     budget.py   the memory model joined at the task's context length (KV bytes, max batch, tok/s)
-    build.py    the cells, recommendations and missing cells; render.py: Markdown, CSV, plots
+    build.py    the cells, recommendations and missing cells
+    columns.py  every column of the report and the leaderboard, declared once (docs/report.md's glossary)
+    tables.py   report.md; plots.py: forest, Pareto and length plots; render.py writes them and report.csv
 No model is loaded: hundreds of runs take seconds.
 """
 

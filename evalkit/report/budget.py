@@ -4,9 +4,11 @@ The context is the full run's typical request: the median one by cache length (p
 generations in its samples.jsonl, or its longest one (`kv.peak_prompt_tokens`, `kv.peak_seen_tokens`) when the
 run recorded no per-request lengths, and said so. At the longest request the ratios are the largest and
 least typical. Cache slots follow evalkit's cache (`evalkit.memory.report.run_entries`: fixed-size methods
-hold `budget` slots even for a shorter prompt, snapkv keeps min(prompt, budget) and appends). Per hardware:
-the largest batch whose KV fits in HBM beside the weights, and the modelled decode tok/s at that batch: both
-memory-bound upper bounds (KV capacity and bytes read), never predictions of measured speed. Beside them,
+hold `budget` slots even for a shorter prompt, snapkv keeps min(prefill, budget) of what its prefill
+compressed and appends the rest: a question fed after compression, a conversation's later questions and
+answers, each output). Per hardware: the largest batch whose KV fits in HBM beside the weights, and the
+modelled decode tok/s at that batch: both memory-bound upper bounds (KV capacity and bytes read), never
+predictions of measured speed. Beside them,
 where `make bench` measured the same model, method and budget (results/bench/decode_speed.csv: the embedded
 model, batch 1, CPU), the measured decode speedup over the full cache at the nearest prompt length.
 """
@@ -50,24 +52,66 @@ def deployment(spec: ModelSpec, hw: Hardware, deploy: dict) -> Deployment:
     """`spec` on `hw`; tp `auto` = the largest degree dividing both the sockets and the attention heads (the
     memory report's default, tp = sockets, whenever that is legal)."""
     tp = math.gcd(hw.sockets, spec.kv.heads) if deploy["tp"] == "auto" else int(deploy["tp"])
+    if hw.sockets % tp or spec.kv.heads % tp:  # said in the report's own setting, not the memory report's
+        raise MemoryReportError(
+            f"deploy.tp={tp} does not divide both {hw.name}'s {hw.sockets} sockets and the "
+            f"{spec.kv.heads} attention heads of {spec.name}: set deploy.tp=auto (the largest that does)"
+        )
     return Deployment(spec, hw, tp, deploy["attention"], float(deploy["mtp_factor"]))
 
 
-def context_of(full: Run, rows: dict | None = None) -> tuple[int, int, str]:
-    """(prompt tokens, cache length, basis) of the full run's median request by cache length, from its
-    samples.jsonl generations; its longest request (metrics.json kv.peak_*) when those lack the lengths."""
-    gens = [g for r in (rows or {}).values() for g in r.get("generation") or [] if isinstance(g, dict)]
-    gens = sorted(
-        (g["kv_seen"], g["prompt_tokens"]) for g in gens if g.get("kv_seen") and g.get("prompt_tokens")
-    )
-    if gens:
-        seen, prompt = gens[(len(gens) - 1) // 2]  # the lower median: a request that ran
-        return int(prompt), int(seen), f"median request of {len(gens)}"
+def _prefill(g: dict) -> int:
+    """Tokens a generation's prefill compressed; a record from before `prefill_tokens` was recorded fed its
+    question (`question_tokens`, query_aware=false) after the prefill."""
+    return g.get("prefill_tokens", g["prompt_tokens"] - (g.get("question_tokens") or 0))
+
+
+def cache_lengths(rows: dict) -> dict[tuple[str, int], tuple[int, int, int]]:
+    """(prefill, prompt, seen) of every request of a run by (sample id, repeat), from its samples.jsonl
+    generations: the tokens its prefill compressed, every token before its answer, every token its cache
+    saw. An older record of a conversation's later turn counted only its own question as its prompt: its
+    cache holds the first turn's context and everything since."""
+    recs = {
+        (sid, r): g
+        for sid, row in rows.items()
+        for r, g in enumerate(row.get("generation") or [])
+        if isinstance(g, dict) and g.get("kv_seen") and g.get("prompt_tokens")
+    }
+    first = {(g.get("conversation"), r): _prefill(g) for (_, r), g in recs.items() if g.get("turn") == 0}
+    out = {}
+    for (sid, r), g in recs.items():
+        prefill, prompt, seen = _prefill(g), g["prompt_tokens"], g["kv_seen"]
+        if "prefill_tokens" not in g and g.get("turn"):
+            prefill = first.get((g.get("conversation"), r))
+            prompt = seen - g.get("output_tokens", 1) + 1  # the last output token is not in the cache
+        if prefill is not None:
+            out[(sid, r)] = (int(prefill), int(prompt), int(seen))
+    return out
+
+
+def context_of(full: Run, rows: dict | None = None, comp: dict | None = None) -> tuple[int, int, int, str]:
+    """(prefill, prompt, seen, basis) of the full run's median request by cache length, from its samples.jsonl
+    generations; its longest request (metrics.json kv.peak_*) when those lack the lengths. `prefill` is what
+    the compressed run's own prefill compressed of that request (`comp`: its cache_lengths): its context
+    alone when it fed the question after compression, whatever the full run did."""
+    lengths = cache_lengths(rows or {})
+    if lengths:
+        order = sorted(lengths, key=lambda k: (lengths[k][2], lengths[k][1]))
+        key = order[(len(order) - 1) // 2]  # the lower median: a request that ran
+        prefill, prompt, seen = lengths[key]
+        prefill = (comp or {}).get(key, (prefill,))[0]
+        return prefill, prompt, seen, f"median request of {len(order)}"
     kv = full.metrics.kv
     prompt, seen = kv.get("peak_prompt_tokens"), kv.get("peak_seen_tokens")
     if not prompt or not seen:
         raise MemoryReportError(f"{full.rel}: metrics.json has no kv.peak_prompt_tokens/peak_seen_tokens")
-    return int(prompt), int(seen), "longest request (samples.jsonl holds no per-request lengths)"
+    prefill = kv.get("peak_prefill_tokens") or prompt
+    return (
+        int(prefill),
+        int(prompt),
+        int(seen),
+        "longest request (samples.jsonl holds no per-request lengths)",
+    )
 
 
 BENCH_MODEL = "smollm2_135m"  # what `make bench` measures (evalkit.bench.base.Context.model_name)
@@ -98,18 +142,25 @@ def _at_max_batch(dep: Deployment, entries: int) -> tuple[int, float]:
 
 
 def memory_row(
-    comp: Run, full: Run, hardware: dict[str, Hardware], deploy: dict, full_rows: dict | None = None
+    comp: Run,
+    full: Run,
+    hardware: dict[str, Hardware],
+    deploy: dict,
+    full_rows: dict | None = None,
+    comp_lengths: dict | None = None,
 ) -> dict:
     """KV bytes per sequence (method and full, modelled in the deployment's dtypes), saving, and per hardware
-    max batch and tok/s gain (memory-bound upper bounds); the run's measured peak bytes in its own dtype."""
-    prompt, seen, basis = context_of(full, full_rows)
+    max batch and tok/s gain (memory-bound upper bounds); the run's measured peak bytes in its own dtype.
+    `comp_lengths`: the compressed run's cache_lengths (what its prefill compressed of each request)."""
+    prefill, prompt, seen, basis = context_of(full, full_rows, comp_lengths)
     spec = spec_of(full, deploy)
-    entries = run_entries(comp.method, comp.budget, prompt, seen)
+    entries = run_entries(comp.method, comp.budget, prefill, seen)
     per_entry = spec.kv.bytes_per_entry
     kv = comp.metrics.kv
     row = {
         "context_tokens": seen,
         "context_prompt_tokens": prompt,
+        "context_prefill_tokens": prefill,
         "context_basis": basis,
         "kv_dtype_modelled": deploy["kv_dtype"],
         "kv_peak_bytes_measured": kv.get("peak_bytes"),

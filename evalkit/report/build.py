@@ -13,6 +13,7 @@ import pandas as pd
 
 from evalkit.config import CONF_DIR
 from evalkit.memory.model import MemoryReportError
+from evalkit.report import columns
 from evalkit.report.budget import bench_speedup, load_hardware, memory_row
 from evalkit.report.config import ReportConfigError, ReportSettings
 from evalkit.report.pairing import Pairing, PairingError, pair, partner
@@ -63,23 +64,11 @@ def join_gains(pairings: list[Pairing], settings: ReportSettings, problems: list
     return out
 
 
-def _cell_rows(p: Pairing, memory: dict) -> list[dict]:
+def _cell_rows(p: Pairing, memory: dict, hardware: list[str]) -> list[dict]:
+    """One row per metric key of a pairing: the registry's figures (labels, the run's own), the lengths and
+    gains, the key's paired statistics and the memory model."""
     comp = p.compressed
-    base = {
-        "model": comp.model,
-        "task": comp.task,
-        "method": comp.method,
-        "settings": comp.settings,
-        "query_aware": comp.query_aware,
-        "budget": comp.budget,
-        "run": comp.rel,
-        "full_run": p.full.rel,
-        "only_compressed": len(p.only_compressed),
-        "only_full": len(p.only_full),
-        "kv_kept_fraction": comp.metrics.kv.get("kept_fraction"),
-        **p.lengths,
-        **p.gains,
-    }
+    base = columns.figures(comp, p, "report", hardware) | p.lengths | p.gains
     return [
         {**base, "metric": key, "is_headline": key == comp.headline, **cell, **memory}
         for key, cell in sorted(p.cells.items())
@@ -110,7 +99,7 @@ def memory_of(p: Pairing, hardware, settings: ReportSettings, problems: list[str
     try:
         if p.full.rel not in full_rows:
             full_rows[p.full.rel] = p.full.samples()  # read once per full run: its request lengths
-        row = memory_row(p.compressed, p.full, hardware, settings.deploy, full_rows[p.full.rel])
+        row = memory_row(p.compressed, p.full, hardware, settings.deploy, full_rows[p.full.rel], p.requests)
     except (MemoryReportError, RunError, KeyError, TypeError) as e:
         problems.append(f"{p.compressed.rel}: memory model not joined ({type(e).__name__}: {e})")
         return {}
@@ -141,7 +130,7 @@ def build(settings: ReportSettings) -> Report:
     problems = bad_files + problems
     rows, notes, report_lengths = [], [], {}
     for p, memory in zip(pairings, join_gains(pairings, settings, problems)):
-        rows += _cell_rows(p, memory)
+        rows += _cell_rows(p, memory, settings.hardware)
         report_lengths[p.compressed.rel] = p.per_problem
         notes += p.notes
         if p.only_compressed or p.only_full:
@@ -180,7 +169,10 @@ def gain_check(row) -> tuple[bool | None, str]:
     hw = [k.removeprefix("effective_gain_") for k in row.index if k.startswith("effective_gain_")]
     gains = {h: row[f"effective_gain_{h}"] for h in hw}
     if not gains or any(v is None or pd.isna(v) for v in gains.values()):
-        why = "no output lengths recorded" if pd.isna(row.get("token_gain")) else "memory model not joined"
+        why = "memory model not joined"
+        if pd.isna(row.get("token_gain")):
+            caveat = row.get("length_caveat")
+            why = caveat if isinstance(caveat, str) else "no output lengths recorded"
         return None, f"effective gain not computed ({why})"
     if all(v > 1 for v in gains.values()):
         return True, ""
@@ -221,12 +213,16 @@ def recommend_tasks(head: pd.DataFrame) -> list[dict]:
             if ok is False:
                 erased.append(why)
                 continue
+            caveat = best.get("length_caveat") if ok else None  # e.g. empty outputs left out of the gain
             rec |= {
                 "budget": int(best.budget),
                 "diff": best.paired_diff,
                 "ci": (best.ci_low, best.ci_high),
                 **_gains(best),
-                "status": "; ".join(["non-inferior", *filter(None, [why]), *erased]),
+                "status": "; ".join(
+                    ["non-inferior", *filter(None, [why]), *erased]
+                    + ([caveat] if isinstance(caveat, str) else [])
+                ),
             }
             break
         else:
@@ -328,23 +324,33 @@ def query_cells(runs: list[Run], settings: ReportSettings, problems: list[str], 
     return cells.sort_values(GROUP[:4] + ["budget", "metric"]).reset_index(drop=True) if len(cells) else cells
 
 
+def _config_order(c: tuple) -> tuple:
+    method, sett, aware, budget = c
+    return method, sett, not aware, budget or 0
+
+
 def missing_cells(runs: list[Run], settings: ReportSettings) -> list[str]:
     """Cells a complete sweep would have: per model, every task seen (or expected) x every (method,
-    settings, budget) seen on any of its tasks (or expected), and a full run per task."""
+    settings, query_aware, budget) seen on any of its tasks (or expected, query-aware), and a full run per
+    task. A query-agnostic run is a configuration of its own: it never stands in for a query-aware one."""
     out = []
     for model in sorted({r.model for r in runs}):
         mine = [r for r in runs if r.model == model]
         tasks = sorted({r.task for r in mine} | set(settings.expect.get("tasks", [])))
-        present = {(r.task, r.method, r.settings, r.budget) for r in mine}
-        configs = {(r.method, r.settings, r.budget) for r in mine if not r.is_full}
+        present = {(r.task, r.method, r.settings, r.query_aware, r.budget) for r in mine}
+        configs = {(r.method, r.settings, r.query_aware, r.budget) for r in mine if not r.is_full}
         for method in settings.expect.get("methods", []):
             budgets = [None] if method == "full" else settings.expect.get("budgets", [])
-            configs |= {(method, "default", b) for b in budgets if method != "full"}
+            configs |= {(method, "default", True, b) for b in budgets if method != "full"}
         for task in tasks:
             if not any(r.task == task and r.is_full for r in mine):
                 out.append(f"{task}/{model}/full: missing (no full run: nothing on this task can be paired)")
-            for method, sett, budget in sorted(configs, key=lambda c: (c[0], c[1], c[2] or 0)):
-                if (task, method, sett, budget) not in present:
+            for method, sett, aware, budget in sorted(
+                configs, key=lambda c: (c[0], c[1], not c[2], c[3] or 0)
+            ):
+                if (task, method, sett, aware, budget) not in present:
                     tag = f"{budget}" + ("" if sett == "default" else f"-{sett}")
-                    out.append(f"{task}/{model}/{method}/{tag}: missing")
+                    out.append(
+                        f"{task}/{model}/{method}/{tag}{'' if aware else ' (query-agnostic)'}: missing"
+                    )
     return out

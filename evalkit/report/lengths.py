@@ -11,10 +11,14 @@ accuracy but doubles the output gives back half the throughput its smaller cache
   scipy.stats.quantile_test(ratios, p=0.5).confidence_interval). It needs no assumption about the ratios'
   distribution and is the same on the ratio or its log; at 95% it is unbounded below n = 6 problems;
 - token gain: full tokens / compressed tokens summed over the paired problems (the tokens a deployer must
-  generate for the same work): what the effective decode gain multiplies the memory-bound gain by;
-- hit limit: the share of outputs that ended at the token limit (`generation[r].hit_limit`);
-- no answer: the share of outputs with nothing the task's scorer could read (NO_ANSWER: AIME no box, or cut
-  off while thinking; LiveCodeBench no code block; LongBench-v2 no choice); RULER has no such notion;
+  generate for the same work): what the effective decode gain multiplies the memory-bound gain by. Problems
+  with an empty (0-token) output on either side are left out (nothing generated is no work saved), and none is
+  computed where every output hit the limit on both sides (lengths truncated); `length_caveat` says which;
+- hit limit: the share of outputs that ended at the token limit (`generation[r].hit_limit`); empty: of
+  outputs with no token at all;
+- no answer: the share of outputs with nothing the task's scorer could read, by the task's own standard
+  `no_answer` score (AIME no box, or cut off while thinking; LiveCodeBench no code block; LongBench-v2 no
+  choice; RULER an empty continuation); `-` for runs scored before a task reported it;
 - repetition: the share of outputs that end in a loop (`repeating_tail`).
 """
 
@@ -25,13 +29,6 @@ import math
 import numpy as np
 from scipy import stats as sps
 
-# Per-repeat score keys that mark an output with no extractable answer, per task family (a task reports one
-# family): the share is their sum, as the keys are disjoint outcomes of one output.
-NO_ANSWER = (
-    ("no_box", "thinking_truncated"),  # AIME: no box after the thinking, or thinking never closed
-    ("outcome/no_code",),  # LiveCodeBench: fewer than two ``` lines, nothing to run
-    ("no_answer",),  # LongBench-v2: no "The correct answer is (X)"
-)
 MIN_LOOP_WORDS = 64  # a repeating tail spans at least this many words ...
 MIN_LOOP_REPEATS = 3  # ... and at least this many copies of its period
 MAX_LOOP_PERIOD = 128  # longest period (in words) looked for
@@ -75,12 +72,10 @@ def repeating_tail(text: str) -> bool:
 
 
 def no_answer(scores: dict) -> float | None:
-    """1.0 / 0.0: this output has no extractable answer (by the task's own scorer keys); None: the task has no
-    such notion (RULER scores every output)."""
-    for keys in NO_ANSWER:
-        if all(k in scores for k in keys):
-            return float(sum(scores[k] for k in keys) > 0)
-    return None
+    """1.0 / 0.0: this output has no answer the task's scorer could read (its `no_answer` score, the standard
+    key every task with the notion reports); None: the task reports none."""
+    value = scores.get("no_answer")
+    return None if value is None else float(value > 0)
 
 
 def _outputs(row: dict, k: int) -> list[dict] | None:
@@ -95,6 +90,7 @@ def _outputs(row: dict, k: int) -> list[dict] | None:
         {
             "tokens": int(gens[r]["output_tokens"]),
             "hit_limit": float(bool(gens[r].get("hit_limit"))),
+            "empty": float(int(gens[r]["output_tokens"]) == 0),
             "limit": gens[r].get("max_new_tokens"),
             "no_answer": no_answer(reps[r]) if r < len(reps) else None,
             "repeating": float(repeating_tail(preds[r])) if r < len(preds) else None,
@@ -120,7 +116,7 @@ def per_problem(comp: dict, full: dict, ids: list[str]) -> dict[str, np.ndarray]
         cols["id"].append(sid)
         cols["limit"].append(max((o["limit"] or 0) for o in c + f) or np.nan)
         for side, outs in (("c", c), ("f", f)):
-            for key in ("tokens", "hit_limit", "no_answer", "repeating"):
+            for key in ("tokens", "hit_limit", "empty", "no_answer", "repeating"):
                 vals = [o[key] for o in outs]
                 cols.setdefault(f"{side}_{key}", []).append(
                     np.nan if any(v is None for v in vals) else float(np.mean(vals))
@@ -143,13 +139,18 @@ def _share(v: np.ndarray) -> float | None:
 
 
 def length_stats(per: dict[str, np.ndarray], confidence: float) -> dict:
-    """The report's length and failure columns from `per_problem`; {} when no problem has lengths."""
+    """The report's length and failure columns from `per_problem`; {} when no problem has lengths. The token
+    gain leaves out problems with an empty (0-token) output on either side (nothing generated is no work
+    saved), and is not computed where every output hit the token limit on both sides (lengths truncated:
+    their ratio measures the limit); `length_caveat` says which."""
     n = len(per["id"])
     if n == 0:
         return {}
     c, f = per["c_tokens"], per["f_tokens"]
     ratio = np.maximum(c, 1) / np.maximum(f, 1)  # (n,) compressed / full per problem
     lo, hi = median_ci(ratio, confidence)
+    limit = float(np.nanmax(per["limit"])) if not np.isnan(per["limit"]).all() else None
+    gain, caveat = token_gain(per, limit)
     out = {
         "n_length": n,
         "tokens_full": float(f.mean()),
@@ -157,12 +158,59 @@ def length_stats(per: dict[str, np.ndarray], confidence: float) -> dict:
         "length_ratio": float(np.median(ratio)),
         "length_ratio_ci_low": lo,
         "length_ratio_ci_high": hi,
-        "token_gain": float(max(f.sum(), 1) / max(c.sum(), 1)),
-        "token_limit": float(np.nanmax(per["limit"])) if not np.isnan(per["limit"]).all() else None,
+        "token_gain": gain,
+        "token_limit": limit,
+        "length_caveat": caveat,
     }
-    for key in ("hit_limit", "no_answer", "repeating"):
+    for key in ("hit_limit", "empty", "no_answer", "repeating"):
         out[f"{key}_full"], out[f"{key}_compressed"] = _share(per[f"f_{key}"]), _share(per[f"c_{key}"])
     return out
+
+
+def token_gain(per: dict[str, np.ndarray], limit: float | None) -> tuple[float | None, str | None]:
+    """(full / compressed tokens over the problems that measure it, the caveat or None)."""
+    n = len(per["id"])
+    if (per["c_hit_limit"] == 1).all() and (per["f_hit_limit"] == 1).all():
+        at = f"the {limit:g}-token limit" if limit else "the token limit"
+        return (
+            None,
+            f"lengths truncated: every output hit {at} on both sides, so their ratio measures the limit",
+        )
+    empty = (per["c_empty"] > 0) | (per["f_empty"] > 0)  # (n,) a problem with a 0-token output
+    if empty.all():
+        return None, "every paired problem has an empty (0-token) output: no length to compare"
+    c, f = per["c_tokens"][~empty], per["f_tokens"][~empty]
+    gain = float(max(f.sum(), 1) / max(c.sum(), 1))
+    if not empty.any():
+        return gain, None
+    return (
+        gain,
+        f"{int(empty.sum())} of {n} problems with an empty (0-token) output left out of the token gain",
+    )
+
+
+def limit_mismatch(comp: dict, full: dict, ids: list[str]) -> str | None:
+    """Where the two runs' per-generation token limits (`max_new_tokens`) differ on a paired problem: their
+    lengths, hit-limit shares and token ratio would compare different caps. None when they agree (or were not
+    recorded)."""
+    bad = []
+    for sid in ids:
+        k = min(_repeats(comp[sid]), _repeats(full[sid]))
+        for r in range(k):
+            a, b = (_limit(rows[sid], r) for rows in (comp, full))
+            if None not in (a, b) and a != b:
+                bad.append(f"{sid} ({a} vs {b})")
+                break
+    if not bad:
+        return None
+    return (
+        f"per-generation token limits differ on {len(bad)} of {len(ids)} paired problems (first: {bad[:3]})"
+    )
+
+
+def _limit(row: dict, r: int):
+    gens = row.get("generation") or []
+    return gens[r].get("max_new_tokens") if r < len(gens) and isinstance(gens[r], dict) else None
 
 
 def run_shares(rows: dict[str, dict]) -> dict:

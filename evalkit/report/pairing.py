@@ -16,7 +16,8 @@ import numpy as np
 
 from evalkit import identity
 from evalkit.errors import EvalkitError
-from evalkit.report.lengths import length_stats, per_problem
+from evalkit.report.budget import cache_lengths
+from evalkit.report.lengths import length_stats, limit_mismatch, per_problem
 from evalkit.report.runs import Run, RunError
 from evalkit.report.stats import StatSettings, compare
 
@@ -132,6 +133,8 @@ class Pairing:
     per_problem: dict = field(default_factory=dict)  # lengths.per_problem: tokens and failures per problem
     lengths: dict = field(default_factory=dict)  # lengths.length_stats: the run's length and failure columns
     gains: dict = field(default_factory=dict)  # tok_s_gain_<hw> and effective_gain_<hw>, once joined
+    # budget.cache_lengths of the compressed run: (prefill, prompt, seen) per (sample id, repeat)
+    requests: dict = field(default_factory=dict)
 
 
 def wanted(key: str, headline: str, extras: list[str]) -> bool:
@@ -200,12 +203,15 @@ def pair(comp: Run, full: Run, settings, full_rows: dict | None = None) -> Pairi
         raise PairingError(f"{comp.rel} cannot be paired with {full.rel}: no sample id in common")
     p = Pairing(comp, full, sorted(set(c_rows) - set(f_rows)), sorted(set(f_rows) - set(c_rows)))
     p.notes += check_prompts(comp, full, c_rows, f_rows, ids)
+    if why := limit_mismatch(c_rows, f_rows, ids):  # a ratio of lengths under two caps is no measurement
+        raise PairingError(f"{comp.rel} cannot be paired with {full.rel}: {why}")
     if comp.identity["source"] != "recorded" or full.identity["source"] != "recorded":
         p.notes.append(
             f"{comp.rel} ~ {full.rel}: no recorded identity (older runner): paired on an identity "
             "derived from provenance.config"
         )
     s: StatSettings = settings.stats_for(comp.task)
+    p.requests = cache_lengths(c_rows)
     p.per_problem = per_problem(c_rows, f_rows, ids)
     p.lengths = length_stats(p.per_problem, s.confidence)
     for key, (c, f, binary, left_out) in paired_values(

@@ -13,7 +13,7 @@ from pathlib import Path
 from evalkit import metrics as metrics_record
 from evalkit.errors import EvalkitError
 from evalkit.identity import hashes
-from evalkit.journal import SHARD, journal_files, line_keys, read_records, shard_note
+from evalkit.journal import SHARD, journal_files, read_records, shard_note
 from evalkit.metrics import Metrics
 
 IDS = ("generation", "method", "scoring")
@@ -159,6 +159,20 @@ def left_shards(folder: Path) -> list[str]:
     return out
 
 
+def journaled_keys(path: Path) -> set[str]:
+    """The request keys a journal file holds so far, read leniently: a run still writing it may have left a
+    torn last line, even one cut inside a UTF-8 character."""
+    keys = set()
+    for line in path.read_bytes().split(b"\n"):
+        try:
+            rec = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("key"), str):
+            keys.add(rec["key"])
+    return keys
+
+
 def unfinished(results_dir: str | Path) -> list[str]:
     """Run folders with a config or a journal but no metrics.json (a sweep still running, or killed),
     with how many generations their journal holds: under data parallel, every replica's shard
@@ -171,9 +185,8 @@ def unfinished(results_dir: str | Path) -> list[str]:
             continue
         files = journal_files(folder)  # under data parallel, the replica shards too
         shards = [f for f in files if SHARD.fullmatch(f.name)]
-        # each request once (a record is in a shard and generations.jsonl after a kill mid-fold); a line cut
-        # inside a UTF-8 character, a torn line or a shard's stamp counts none
-        done = len(set().union(*(line_keys(f) for f in files)))
+        # distinct requests: a fold killed midway has a shard's records in generations.jsonl and the shard
+        done = len({key for f in files for key in journaled_keys(f)})
         where = (
             f" in {len(files)} files: a data-parallel run whose {len(shards)} replica shard(s) are not "
             "folded into generations.jsonl yet"

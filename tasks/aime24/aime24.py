@@ -31,7 +31,7 @@ from tasks.aime24 import grade
 
 VERSION = 1  # bump when the prompt or data handling changes (the generations change)
 # bump when extraction or judging changes (2: math-verify, `\\boxed N`): finished runs re-score
-SCORER_VERSION = 3  # 3: lighteval's whole-text reading reported beside the headline
+SCORER_VERSION = 4  # 3: lighteval's whole-text reading reported beside the headline; 4: `no_answer`
 TASK = "aime24"
 # query_aware=false is refused (the runner names this reason): it needs a context before the question
 NO_QUESTION_SPLIT = (
@@ -162,10 +162,11 @@ def score(predictions: list[str], sample: Sample) -> dict[str, float]:
     """Percent: pass@1 (mean over the k predictions), cons@k (majority vote: correct answers vote for the
     gold, wrong ones for math-verify's reading of their box; a response with nothing readable does not vote;
     a tie goes to the answer seen first, Counter.most_common's order), and the shares of the k predictions
-    with no box, cut off while thinking, or whose judging ran out of time. `lighteval_pass@1` is the second
-    reading, apart from the headline: lighteval's math-verify extraction over each whole response
-    (`grade.judge_text`), which also credits `**Final Answer** 73`, `the answer is $73$` or a box left
-    inside the thinking; a compressed run that stops boxing shows as the gap between the two."""
+    with no box, cut off while thinking (`no_answer`, the standard key: either), or whose judging ran out of
+    time. `lighteval_pass@1` is the second reading, apart from the headline: lighteval's math-verify
+    extraction over each whole response (`grade.judge_text`), which also credits `**Final Answer** 73`, `the
+    answer is $73$` or a box left inside the thinking; a compressed run that stops boxing shows as the gap
+    between the two."""
     if not predictions:
         raise ValueError(f"{sample.id}: no predictions to score")
     answer = sample.answers[0]
@@ -179,6 +180,7 @@ def score(predictions: list[str], sample: Sample) -> dict[str, float]:
         "cons@k": 100.0 * (majority == answer),
         "no_box": share("no_box"),
         "thinking_truncated": share("thinking_truncated"),
+        "no_answer": share("no_box") + share("thinking_truncated"),  # the standard key (disjoint outcomes)
         "judge_timeout": share("judge_timeout"),
         "lighteval_pass@1": 100 * sum(whole_text(p, answer) for p in predictions) / k,
     }

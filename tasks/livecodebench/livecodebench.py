@@ -42,9 +42,9 @@ NO_QUESTION_SPLIT = (
     "separable context"
 )
 VERSION = 1  # what is generated: bump when this task's prompt or data handling changes
-SCORER_VERSION = 4  # how it is graded (2: upstream's stdin patches, guard and argv; whole-program memory cap;
+SCORER_VERSION = 5  # how it is graded (2: upstream's stdin patches, guard and argv; whole-program memory cap;
 # 3: functional answers judged by upstream's `==`; 4: that `==` outside the program's process, so answers of
-# the program's own classes are wrong)
+# the program's own classes are wrong; 5: `no_answer`, the standard key, = outcome/no_code)
 REPO = "livecodebench/code_generation_lite"
 # Not checked against the hub from here (unreachable): the dataset revision public LiveCodeBench pins record
 # (e.g. beside lcb_runner@28fef95 and test6.jsonl, 175 problems).
@@ -246,12 +246,14 @@ def load(
 
 def metrics(outcomes: list[str], difficulty: str) -> dict[str, float]:
     """Percent: unbiased pass@k for k in 1, 2, 5, 10, 20, 50, 100 and n (k <= n), pass@1/<difficulty>, and the
-    share of the n predictions with each outcome (`outcome/<name>`, all names present so means stay fair)."""
+    share of the n predictions with each outcome (`outcome/<name>`, all names present so means stay fair), and
+    `no_answer` (the standard key every task reports: here no code block to run)."""
     n, c = len(outcomes), outcomes.count("passed")
     ks = sorted({k for k in (1, 2, 5, 10, 20, 50, 100) if k <= n} | {n})
     out = {f"pass@{k}": 100 * pass_at_k(n, c, k) for k in ks}
     out[f"pass@1/{difficulty}"] = out["pass@1"]
     out.update({f"outcome/{name}": 100 * outcomes.count(name) / n for name in OUTCOMES})
+    out["no_answer"] = out["outcome/no_code"]  # the standard key: nothing to run
     return out
 
 

@@ -14,6 +14,7 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
+from evalkit.identity import short_hash
 from evalkit.results import atomic_write
 from evalkit.sample import Sample
 from tasks.ruler.generate import GENERATOR_VERSION
@@ -51,7 +52,7 @@ def frozen_path(
     key = {"tokenizer": fingerprint, "files": files, "version": GENERATOR_VERSION}
     if template is not None:
         key["template"] = template
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    digest = short_hash(key)  # the identities' hash: the same 16 digits the key always had
     return root / f"{task}-{length}-seed{seed}-{GENERATOR_VERSION}-{name}-{digest}.jsonl"
 
 

@@ -24,7 +24,8 @@ from tasks.ruler.data import RulerData, resolve
 from tasks.ruler.generate import singular
 
 VERSION = 1  # bump when the prompts or data handling change (generate.GENERATOR_VERSION keys frozen files)
-SCORER_VERSION = 1  # bump when extraction or scoring changes: finished runs re-score from their journals
+SCORER_VERSION = 2  # bump when extraction or scoring changes: finished runs re-score from their journals
+# (2: `no_answer`, the standard key: an output with no text to match)
 
 DEFAULT_N = 500  # upstream NUM_SAMPLES per task and length
 
@@ -202,11 +203,15 @@ METRICS = {"all": string_match_all, "part": string_match_part}
 
 
 def score(predictions: list[str], sample: Sample) -> dict[str, float]:
-    """Percent, averaged over the k predictions (each the continuation after the answer prefix)."""
+    """Percent, averaged over the k predictions (each the continuation after the answer prefix); `no_answer`,
+    the standard key: the share of predictions with no text at all to match (an empty continuation)."""
     metric = METRICS[sample.meta["metric"]]
-    v = 100 * sum(metric(postprocess(p), sample.answers) for p in predictions) / len(predictions)
+    texts = [postprocess(p) for p in predictions]
+    v = 100 * sum(metric(t, sample.answers) for t in texts) / len(texts)
     task, length = sample.meta["task"], sample.meta["length"]
-    return {"score": v, f"score/{task}": v, f"score/{length}": v, f"score/{task}@{length}": v}
+    empty = 100 * sum(not t for t in texts) / len(texts)
+    scores = {"score": v, f"score/{task}": v, f"score/{length}": v, f"score/{task}@{length}": v}
+    return scores | {"no_answer": empty}
 
 
 custom_dataset, process_results = lm_eval_hooks("ruler", load, score)

@@ -278,6 +278,8 @@ def test_snapkv_decode_refuses_mla():
         ("h2o", {"recent": 0}, "h2o: recent must be in [1, budget - 1]"),
         ("h2o", {"budget": 16, "recent": 16}, "h2o: recent must be in [1, budget - 1]"),
         ("h2o", {"budget": 0}, "h2o: budget must be > 0"),
+        # the setting given, not its derived recent=0 (issue 31, item 12)
+        ("h2o", {"budget": 1}, "h2o: budget must be >= 2 (at least one recent entry and one to evict)"),
         ("snapkv_decode", {"interval": 32, "window": 32}, "snapkv_decode: interval must be > window"),
         (
             "snapkv_decode",

@@ -3,6 +3,7 @@ shards the model. Expected bytes are computed here from the parameter shapes of 
 meta device, with which tensors are split written out by hand (never read from transformers' plan), and the
 split sizes taken from `torch.chunk`, the split DTensor uses. CPU only, a few seconds."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,9 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, L
 
 from evalkit.config import compose
 from evalkit.memory import MemoryReportError, kv_geometry, shard_model, write_report
+from evalkit.memory.report import check
 from evalkit.memory.sim import GiB
+from tests.runs_fixture import SMOL_CONFIG as SMOL
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -224,3 +227,44 @@ def test_entry_point_refuses_a_bad_layout_before_writing(tmp_path, override, fie
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("evalkit: error: ") and field in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "memory").exists()
+
+
+# --- layouts no run can take (issue 31, items 9 and 12) -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        # DeepSeek-R1 at 7 GPUs said "fits" on every row: its MLP rows (18432) do not split 7 ways
+        (
+            ["hardware=h200", "parallel.tp_size=7"],
+            "parallel.tp_size=7 does not divide model.layers.*.mlp.gate_proj",
+        ),
+        (["hardware=h200", "parallel.tp_size=6"], "parallel.tp_size=6 does not divide model.layers.*.mlp."),
+    ],
+)
+def test_a_tp_size_the_model_cannot_split_is_refused_never_said_to_fit(tmp_path, overrides, says):
+    cfg = compose_cfg(f"results_dir={tmp_path}", "context_lens=[131072]", "budgets=[32768]", *overrides)
+    with pytest.raises(MemoryReportError, match=re.escape(says)):
+        check(cfg)
+    assert not (tmp_path / "memory").exists()
+
+
+def test_uneven_attention_heads_are_refused_where_the_plan_splits_attention():
+    """tiny_llama's 4 attention heads over 8 ranks; tiny_deepseek's MLA attention is not split, its MLP is."""
+    with pytest.raises(MemoryReportError, match="does not divide num_key_value_heads=2"):
+        shard_model(TINY_LLAMA, kv_geometry(TINY_LLAMA, "float32"), 8, 1, 8, "float32", "float32")
+    with pytest.raises(MemoryReportError, match=r"parallel.tp_size=3 does not divide model.layers.\*.mlp"):
+        shard_model(TINY_DEEPSEEK, kv_geometry(TINY_DEEPSEEK, "float32"), 3, 1, 8, "float32", "float32")
+
+
+def test_a_tp_derived_from_the_hardware_is_named_by_the_hardware():
+    """hardware=h200 on a 9-head model: parallel.tp defaults to the 8 sockets, a setting never given."""
+    cfg = compose_cfg("hardware=h200", "context_lens=[8192]", "budgets=[2048]")
+    cfg["model"] |= {"name": "smol", "hf_config": SMOL, "num_parameters": None, "weight_dtype": "bfloat16"}
+    with pytest.raises(MemoryReportError) as e:
+        check(cfg)
+    assert str(e.value) == (
+        "parallel.tp=8 (hardware=h200: one per each of its 8 sockets unless set) does not divide "
+        "num_attention_heads=9 of smol: set parallel.tp to a divisor of both (e.g. parallel.tp=1)"
+    )

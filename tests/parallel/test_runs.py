@@ -83,6 +83,11 @@ def test_make_eval_nproc2_tensor_parallel_writes_the_journal_once(tmp_path):
     assert len(kv) == 2 and all(b > 0 for b in kv)
     ref = one_process(tmp_path / "one", "method.budget=64")
     assert predictions(folder) == predictions(ref) and headline(folder) == headline(ref)
+    # the whole cache under any layout, and each rank's share of tiny_llama's 2 KV heads beside it
+    tp2, one = (json.loads((f / "metrics.json").read_text())["kv"] for f in (folder, ref))
+    assert tp2["peak_bytes"] == one["peak_bytes"] == 2 * tp2["peak_bytes_per_rank"] > 0
+    assert one["peak_bytes_per_rank"] == one["peak_bytes"]
+    assert tp2["peak_seen_tokens"] == one["peak_seen_tokens"]
 
 
 def test_a_layout_that_does_not_fit_the_processes_is_refused_before_any_load(tmp_path):

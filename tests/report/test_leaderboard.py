@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 
 from evalkit import leaderboard
+from evalkit.report.runs import load_runs
 from tests.runs_fixture import binary_rows, sample_row, write_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +65,7 @@ def test_long_rows_can_be_told_apart(tmp_path):
     write_run(tmp_path, binary_rows(SNAP), budget=128, settings={"recent": 64})
     write_run(tmp_path, binary_rows(SNAP), budget=128, settings={"window": 16})
     long, _ = read(tmp_path)
-    labels = [c for c in long.columns if c in leaderboard.LABELS]
+    labels = [c for c in long.columns if c in leaderboard.labels(load_runs(tmp_path)[0][0])]
     assert {"settings", "task_version", "scorer_version", "data_hash", "generation", "run"} <= set(labels)
     assert not long.duplicated(subset=labels + ["metric", "subset"]).any()
     assert set(long.loc[long.method == "snapstream", "settings"]) == {"default", "recent64", "window16"}
@@ -130,7 +131,7 @@ def test_paired_columns_come_from_the_report(tmp_path):
     runs, _ = load_runs(tmp_path)
     cells = pair(runs[1], runs[0], report_settings()).cells["score"]
     row = long[(long.method == "snapstream") & (long.metric == "score") & (long.subset == "all")].iloc[0]
-    # the CSVs hold fixed decimals (leaderboard.DECIMALS): points to 2, p-values to 4, each exactly rounded
+    # the CSVs hold fixed decimals (evalkit.report.columns): points to 2, p-values to 4, each exactly rounded
     assert row.paired_diff == round(100 * (27 - 29) / 29, 2)  # over the 29 shared samples
     assert row.paired_diff != round(100 * 27 / 29 - 100 * 29 / 30, 2)  # not the unpaired gap
     assert (row.ci_low, row.ci_high, row.p_value, row.verdict, row.n_paired) == (

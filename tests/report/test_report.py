@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -420,3 +421,40 @@ def test_bad_settings_name_the_key(override, says):
 def test_per_task_margin_overrides_the_default():
     s = settings(margins={"aime24": 5.0, "ruler": None})
     assert s.stats_for("aime24").margin == 5.0 and s.stats_for("ruler").margin == 2.0
+
+
+def test_missing_cells_keep_query_agnostic_configurations_apart(tmp_path):
+    """A query-agnostic 128 on ruler once stood in for the query-aware 128 a longbench run makes expected."""
+    _sweep(tmp_path, "ruler", {})
+    write_run(tmp_path, binary_rows([1] * 30), budget=128, query_aware=False)
+    _sweep(tmp_path, "longbench_v2", {128: 0})
+    missing = build(settings(results_dir=str(tmp_path))).missing
+    assert "ruler/smollm2_135m/snapstream/128: missing" in missing
+    assert "longbench_v2/smollm2_135m/snapstream/128 (query-agnostic): missing" in missing
+
+
+def test_a_fold_killed_midway_counts_each_request_once(tmp_path):
+    """Rank 0 killed while folding a shard: its records are in generations.jsonl and still in the shard (a
+    6-request run once read '8 generations journaled'); a journal cut inside a UTF-8 character is read too."""
+    _sweep(tmp_path, "ruler", {128: 0})
+    folder = tmp_path / "runs" / "ruler" / "smollm2_135m" / "snapstream" / "512"
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text("x: 1\n")
+    lines = [json.dumps({"key": k}) for k in "abcdef"]
+    torn = '{"key": "\u00e9'.encode()[:-1]  # cut inside the 2-byte UTF-8 character
+    (folder / "generations.jsonl").write_bytes(("\n".join(lines) + "\n").encode() + torn)
+    (folder / "generations.dp1.jsonl").write_text("\n".join(lines[3:]) + "\n")
+    (unfinished,) = [m for m in build(settings(results_dir=str(tmp_path))).missing if "unfinished" in m]
+    assert "(6 generations journaled in 2 files" in unfinished
+
+
+def test_a_deploy_tp_the_model_cannot_take_is_named_as_deploy_tp(tmp_path):
+    """The report's own setting, never the memory report's `parallel.tp` the user did not give."""
+    _sweep(tmp_path, "ruler", {128: 0})
+    base = settings(results_dir=str(tmp_path))
+    rep = build(replace(base, deploy=base.deploy | {"tp": 8}))
+    (problem,) = rep.problems
+    assert problem.endswith(
+        "memory model not joined (MemoryReportError: deploy.tp=8 does not divide both sn40l's 16 sockets and "
+        "the 9 attention heads of smollm2_135m: set deploy.tp=auto (the largest that does))"
+    )

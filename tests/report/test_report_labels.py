@@ -11,7 +11,8 @@ import pytest
 
 from evalkit.report import settings
 from evalkit.report.build import build
-from evalkit.report.render import markdown, write
+from evalkit.report.render import write
+from evalkit.report.tables import markdown
 from tests.runs_fixture import binary_rows, sample_row, write_run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,30 @@ from evalkit.report.lengths import median_ci, no_answer, repeating_tail
 from evalkit.report.pairing import pair
 from evalkit.report.runs import load_runs
 from evalkit.report.stats import StatSettings, compare
+from evalkit.sample import Sample
 from tests.runs_fixture import sample_row, write_run
+
+
+def _aime(predictions):
+    from tasks.aime24 import aime24
+
+    return aime24.score(predictions, Sample("a", "aime24", "p", ["7"], 8))
+
+
+def _longbench(predictions):
+    from tasks.longbench_v2 import longbench_v2 as lb
+
+    return lb.score(predictions, Sample("l", lb.TASK, "p", ["A"], 8, subset="easy|short"))
+
+
+def _ruler(predictions):
+    from tasks.ruler import ruler
+
+    meta = {"task": "niah_single_1", "length": 1024, "metric": "all"}
+    return ruler.score(predictions, Sample("r", "ruler", "p", ["42"], 8, meta=meta))
+
+
+TASK_SCORERS = {"aime24": _aime, "longbench_v2": _longbench, "ruler": _ruler}
 
 G = np.random.default_rng(7)
 N = 30
@@ -91,20 +114,29 @@ def test_lengths_pair_repeats_by_index_and_a_zero_token_side_counts_as_one(tmp_p
 
 
 @pytest.mark.parametrize(
-    "scores, expected",
+    "predictions, task, expected",
     [
-        ({"pass@1": 0.0, "no_box": 100.0, "thinking_truncated": 0.0}, 1.0),  # AIME: no box
-        ({"pass@1": 0.0, "no_box": 0.0, "thinking_truncated": 100.0}, 1.0),  # AIME: never closed </think>
-        ({"pass@1": 0.0, "no_box": 0.0, "thinking_truncated": 0.0}, 0.0),  # AIME: boxed, wrong
-        ({"pass@1": 0.0, "outcome/no_code": 100.0, "outcome/passed": 0.0}, 1.0),  # LiveCodeBench
-        ({"pass@1": 0.0, "outcome/no_code": 0.0, "outcome/wrong_answer": 100.0}, 0.0),
-        ({"accuracy": 0.0, "no_answer": 100.0}, 1.0),  # LongBench-v2: no "The correct answer is (X)"
-        ({"accuracy": 100.0, "no_answer": 0.0}, 0.0),
-        ({"score": 50.0, "score/niah_single_1": 50.0}, None),  # RULER: every output is an answer
+        (["no box here"], "aime24", 1.0),  # AIME: no box
+        (["<think>cut off"], "aime24", 1.0),  # AIME: never closed </think>
+        (["\\boxed{5}"], "aime24", 0.0),  # AIME: boxed, wrong
+        (["The correct answer is (B)"], "longbench_v2", 0.0),
+        (["I cannot tell."], "longbench_v2", 1.0),  # LongBench-v2: no "The correct answer is (X)"
+        (["wrong"], "ruler", 0.0),  # RULER: any text is an answer ...
+        ([""], "ruler", 1.0),  # ... an empty continuation is none
     ],
 )
-def test_no_answer_is_each_tasks_own_notion(scores, expected):
-    assert no_answer(scores) == expected
+def test_no_answer_is_each_tasks_own_notion_through_the_standard_key(predictions, task, expected):
+    """Each task reports its notion as `no_answer`; the report reads that key and no task's private ones."""
+    score = TASK_SCORERS[task]
+    assert no_answer(score(predictions)) == expected
+    assert no_answer({"no_box": 100.0, "thinking_truncated": 0.0}) is None  # private keys: not read
+
+
+def test_livecodebench_reports_no_code_as_no_answer():
+    from tasks.livecodebench import livecodebench as lcb
+
+    m = lcb.metrics(["no_code", "passed"], "easy")
+    assert m["no_answer"] == m["outcome/no_code"] == 50.0 and no_answer(m) == 1.0
 
 
 W = [f"w{i}" for i in range(200)]  # distinct words: no period but the one built
@@ -317,3 +349,64 @@ def test_leaderboard_carries_the_length_columns_and_query_setting(tmp_path):
     assert len(snap) == 2  # separate rows, never averaged
     assert snap.loc[False, "256_length_ratio"] == pytest.approx(agn.length_ratio)
     assert "256_effective_gain_h200" in wide
+
+
+# --- lengths that measure nothing, and runs whose lengths cannot be compared (issue 31, item 4) -----------
+
+
+def _pair_runs(root: Path, full_tokens, comp_tokens, full_limit=4096, comp_limit=4096) -> None:
+    """200 problems solved by both (non-inferior), with the given output tokens and token limits."""
+    full = [
+        sample_row(f"s{i}", [{"score": 100.0}], tokens=[t], limit=full_limit)
+        for i, t in enumerate(full_tokens)
+    ]
+    comp = [
+        sample_row(f"s{i}", [{"score": 100.0}], tokens=[t], limit=comp_limit)
+        for i, t in enumerate(comp_tokens)
+    ]
+    write_run(root, full, method="full", budget=None)
+    write_run(root, comp, budget=256)
+
+
+def test_empty_outputs_are_no_token_gain(tmp_path):
+    """0-token compressed outputs once gave a token gain of 200 and an effective gain of thousands: a problem
+    with an empty output is left out of the gain, and said; with every output empty there is none."""
+    _pair_runs(tmp_path / "some", [100] * 200, [0] * 50 + [100] * 150)
+    (rec,) = build(settings(results_dir=str(tmp_path / "some"))).by_task
+    assert rec["token_gain"] == pytest.approx(1.0) and rec["budget"] == 256
+    assert rec["status"].endswith(
+        "50 of 200 problems with an empty (0-token) output left out of the token gain"
+    )
+    _pair_runs(tmp_path / "all", [200] * 200, [0] * 200)
+    rep = build(settings(results_dir=str(tmp_path / "all")))
+    cell, (rec,) = rep.headline.iloc[0], rep.by_task
+    assert pd.isna(cell.token_gain) and pd.isna(cell.effective_gain_h200)
+    assert rec["status"] == (
+        "non-inferior; effective gain not computed (every paired problem has an empty (0-token) output: no "
+        "length to compare)"
+    )
+
+
+def test_lengths_truncated_on_both_sides_give_no_ratio_to_deploy_on(tmp_path):
+    """Every output at the 256-token limit on both sides: the ratio 1.00 measures the limit, not the lengths;
+    the budget is named on accuracy alone and the status and the length table say why."""
+    _pair_runs(tmp_path, [256] * 200, [256] * 200, 256, 256)
+    paths = write_report(settings(results_dir=str(tmp_path)))
+    (rec,) = build(settings(results_dir=str(tmp_path))).by_task
+    why = "lengths truncated: every output hit the 256-token limit on both sides, so their ratio "
+    why += "measures the limit"
+    assert rec["budget"] == 256 and rec["status"] == f"non-inferior; effective gain not computed ({why})"
+    assert f"- snapstream 256: {why}" in Path(paths["md"]).read_text()
+
+
+def test_runs_with_other_token_limits_are_not_paired(tmp_path):
+    """A full run whose generations had another max_new_tokens compares other caps: refused, never a ratio."""
+    _pair_runs(tmp_path, [300] * 200, [200] * 200, full_limit=512, comp_limit=256)
+    rep = build(settings(results_dir=str(tmp_path)))
+    assert rep.cells.empty
+    (problem,) = rep.problems
+    assert (
+        "cannot be paired with ruler/smollm2_135m/full/none: per-generation token limits differ on 200 of "
+        in problem
+    )
+    assert "(first: ['s0 (256 vs 512)'" in problem

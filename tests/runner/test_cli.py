@@ -182,6 +182,8 @@ def test_lm_eval_cli_runs_the_task_on_a_tiny_model(tmp_path):
         "score/1024_stderr,all": "N/A",
         "score/niah_single_1@1024,all": 0.0,
         "score/niah_single_1@1024_stderr,all": "N/A",
+        "no_answer,all": 0.0,  # the standard key: the continuation has text
+        "no_answer_stderr,all": "N/A",
     }
     assert results["n-samples"]["evalkit_ruler"] == {"original": 1, "effective": 1}
     # evalkit's names collide with none lm-eval ships: no "overrides existing task" / "Duplicate task name"

@@ -50,17 +50,17 @@ def test_a_changed_scorer_rescores_from_the_journal_without_a_model(tmp_path, mo
     out = folder(tmp_path)
     journal = (out / "generations.jsonl").read_bytes()
     assert first["generation"]["generated_now"] == 2 and first["generation"]["from_journal"] == 0
-    assert first["scorer_version"] == 1 and first["identity"]["scoring"]
-
     import tasks.ruler.ruler as ruler
 
-    monkeypatch.setattr(ruler, "SCORER_VERSION", 2)  # a fixed scorer: every prediction now scores 42
+    version = ruler.SCORER_VERSION
+    assert first["scorer_version"] == version and first["identity"]["scoring"]
+    monkeypatch.setattr(ruler, "SCORER_VERSION", version + 1)  # a fixed scorer: every prediction scores 42
     monkeypatch.setattr(ruler, "score", lambda predictions, sample: {"score": 42.0})
     with monkeypatch.context() as m:
         m.setattr(runner, "get_model", lambda spec: pytest.fail("re-scoring loaded the model"))
         again = run(*args, results=tmp_path)[0]
     assert "re-scoring from its journal" in capsys.readouterr().out
-    assert again["scorer_version"] == 2 and again["scores"]["score"]["mean"] == 42.0
+    assert again["scorer_version"] == version + 1 and again["scores"]["score"]["mean"] == 42.0
     assert again["generation"]["generated_now"] == 0 and again["generation"]["from_journal"] == 2
     assert (out / "generations.jsonl").read_bytes() == journal  # nothing generated, nothing rewritten
     rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]

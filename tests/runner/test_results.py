@@ -8,8 +8,9 @@ import stat
 import pytest
 from omegaconf import OmegaConf
 
+from evalkit.identity import budget_tag
 from evalkit.journal import Journal
-from evalkit.results import RunInUse, RunLock, atomic_write, budget_tag, save_figure
+from evalkit.results import RunInUse, RunLock, atomic_write, save_figure
 from evalkit.task import subsample
 
 

@@ -211,7 +211,7 @@ def _s(answer: str) -> Sample:
 
 
 def test_versions():
-    assert (aime24.VERSION, aime24.SCORER_VERSION) == (1, 3)  # a scorer-only change keeps the prompt version
+    assert (aime24.VERSION, aime24.SCORER_VERSION) == (1, 4)  # a scorer-only change keeps the prompt version
 
 
 def test_pass_at_1_and_cons_at_k():
@@ -227,6 +227,7 @@ def test_pass_at_1_and_cons_at_k():
         "cons@k": 100,
         "no_box": 25,
         "thinking_truncated": 0,
+        "no_answer": 25,
         "judge_timeout": 0,
         "lighteval_pass@1": 50,
     }
@@ -236,6 +237,7 @@ def test_pass_at_1_and_cons_at_k():
         "cons@k": 100,
         "no_box": 50,
         "thinking_truncated": 25,
+        "no_answer": 75,
         "judge_timeout": 0,
         "lighteval_pass@1": 25,
     }
@@ -244,6 +246,7 @@ def test_pass_at_1_and_cons_at_k():
         "cons@k": 0,
         "no_box": 50,
         "thinking_truncated": 50,
+        "no_answer": 100,
         "judge_timeout": 0,
         "lighteval_pass@1": 0,
     }
@@ -269,6 +272,7 @@ def test_k1_cons_equals_pass():
         "cons@k": 100,
         "no_box": 0,
         "thinking_truncated": 0,
+        "no_answer": 0,
         "judge_timeout": 0,
         "lighteval_pass@1": 100,
     }

@@ -150,7 +150,7 @@ def test_r1_window_and_versions(tmp_path):
     path.write_text("".join(json.dumps(row(f"q{i}", contest_date=d)) + "\n" for i, d in enumerate(dates)))
     got = r1.load(str(path), **window)
     assert [s.id for s in got.samples] == ["q1", "q2"] and got.stats["outside_window"] == 2
-    assert (r1.VERSION, lcb.VERSION, r1.SCORER_VERSION, lcb.SCORER_VERSION) == (2, 1, 4, 4)
+    assert (r1.VERSION, lcb.VERSION, r1.SCORER_VERSION, lcb.SCORER_VERSION) == (2, 1, 5, 5)
 
 
 # --- extraction, comparison, pass@k -------------------------------------------------------------------------

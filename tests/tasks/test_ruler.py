@@ -481,8 +481,20 @@ def test_score_table(metric, prediction, answers, expected):
         meta={"task": "t", "length": 4096, "metric": metric},
     )
     assert ruler.score([prediction], sample) == {
-        "score": expected, "score/t": expected, "score/4096": expected, "score/t@4096": expected
+        "score": expected, "score/t": expected, "score/4096": expected, "score/t@4096": expected,
+        "no_answer": 0.0,  # every prediction here has text to match
     }  # fmt: skip
+
+
+def test_an_empty_continuation_is_no_answer():
+    """The standard `no_answer` key: a continuation with no text left after postprocessing (an immediate EOS,
+    control characters only) is no answer; a wrong one is an answer."""
+    sample = gen.Sample(
+        id="x", task="ruler", prompt="", answers=["42"], max_new_tokens=1,
+        meta={"task": "t", "length": 4096, "metric": "all"},
+    )  # fmt: skip
+    scores = ruler.score(["", " \x1b\n ", "41", "42"], sample)
+    assert scores["no_answer"] == 50.0 and scores["score"] == 25.0
 
 
 def test_score_means_over_predictions_and_postprocess():
