@@ -39,6 +39,7 @@ from evalkit.errors import EvalkitError, exit_with
 from evalkit.identity import check_folder, classify
 from evalkit.journal import Journal, request_keys
 from evalkit.kv.config import canonical, make_method, method_class
+from evalkit.kv.methods import RunFacts
 from evalkit.results import RunLock, atomic_write, check_writable, config_yaml, run_dir
 from evalkit.summary import announce, next_step, print_table, summarize
 from evalkit.task import DataError
@@ -222,30 +223,21 @@ def has_followup(cfg: DictConfig) -> bool:
 
 
 def check_decode_eviction(plans: list[Plan], model_cfg) -> None:
-    """What a decode-time eviction method (h2o, snapkv_decode: its slot pool holds rows of its own kind)
-    cannot run with, refused before the model loads."""
+    """What a plan's method cannot run with (`KVMethod.refusal`: a decode-time evictor's slot pool, e.g.
+    h2o and snapkv_decode), refused before the model loads."""
+    mla = getattr(model_cfg.get_text_config(), "kv_lora_rank", None) is not None
     for p in plans:
-        name, kind = p.method.name, p.method.evict
-        if kind is None:
-            continue
-        mla = getattr(model_cfg.get_text_config(), "kv_lora_rank", None) is not None
-        if kind == "refit" and mla:
-            raise ConfigError(
-                f"method {name} re-scores the cached keys, but {p.cfg.model.name} caches MLA's latent (keys "
-                "are rebuilt from it inside attention): use h2o, snapkv or snapstream"
-            )
-        if mla and p.cfg.compile and parallel.LAYOUT.tp > 1:
-            raise ConfigError(
-                f"method {name} with compile=true under tensor parallelism on an MLA model: every step's "
-                "eviction is broadcast from the TP root, which the compiled step cannot hold. Set "
-                "compile=false, or run one process"
-            )
-        if has_followup(p.cfg):
-            raise ConfigError(
-                f"task {p.cfg.task.name} asks a second call on the full cache after each first one, which a "
-                f"{name} slot pool cannot hold beside its rows: use method snapkv or snapstream, or "
-                "task=longbench_v2"
-            )
+        facts = RunFacts(
+            model_name=p.cfg.model.name,
+            mla=mla,
+            followup=has_followup(p.cfg),
+            compile=bool(p.cfg.compile),
+            tp=parallel.LAYOUT.tp,
+            task=p.cfg.task.name,
+        )
+        why = p.method.refusal(facts)
+        if why is not None:
+            raise ConfigError(why)
 
 
 def _int(v) -> bool:
