@@ -151,6 +151,7 @@ class KVCache(Cache):
 
     static = False  # what attention and transformers' compile check read: the dynamic cache is never compiled
     pooled = False  # the engine's slot pool (`pool.SlotPool`), the one cache a decode-time evictor decodes in
+    observing = False  # attention hands each decode step's query to the evictor's `observe` (static caches)
 
     def __init__(
         self, method, num_layers: int, attn_name="evalkit", record=None, replay=None, max_new_tokens=None

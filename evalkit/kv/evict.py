@@ -238,8 +238,11 @@ class H2OEvictor(SlotEvictor):
         self.recent[r] = 0
 
     def write_index(self, cache, layer) -> tuple:
-        row, head, slot = super().write_index(cache, layer)
-        slot = torch.where(self.full[:, None], self.evicted(cache, layer), slot)
+        """A full row's evicted slot per KV head, else its next free one (`SlotEvictor.write_index`)."""
+        row, head = cache.state.row[:, None], self.head[None, :]
+        slot = torch.where(
+            self.full[:, None], self.evicted(cache, layer), cache.state.slot[:, None]
+        )  # (B, H)
         self.acc[layer.layer_idx][row, head, slot] = 0.0  # the new entry's own sum
         return row, head, slot
 

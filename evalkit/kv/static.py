@@ -65,11 +65,6 @@ class StaticKVCache(KVCache):
 
     static = True
 
-    @property
-    def observing(self) -> bool:
-        """Attention hands this cache each decode step's query (`observe`): its evictor scores it."""
-        return self.evictor.observes
-
     def _check_max_new(self, max_new_tokens):
         """A static append cache allocates its decode slots at prefill: it must know how many."""
         if self.method.ring:
@@ -88,6 +83,7 @@ class StaticKVCache(KVCache):
     def _prefilled(self, rows: Rows, t: int) -> None:
         """The per-step state as device tensors that every decode step updates in place."""
         self.evictor.check_cache(self)
+        self.observing = self.evictor.observes  # an attribute: attention reads it per layer and step
         b, dev = rows.valid.shape[0], rows.valid.device
         sink = min(self.method.blocks()[0], rows.n)
         self.state = StepState(
@@ -127,11 +123,6 @@ class StaticKVCache(KVCache):
         layer.values[index] = v[:, :, 0]
         layer.pos[index] = self.state.pos[:, None]  # (B, 1) -> (B, H)
         return layer.keys, layer.values
-
-    def observe(self, layer: KVLayer, query, key, mask, scaling) -> None:
-        """Called by attention after each decode step's attention of a layer (when `observing`)."""
-        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-        self.evictor.observe(self, layer, query, key, mask, scaling)
 
     def decoded(self, active: list[int]) -> None:
         """Host hook after each engine decode step (a decode-time method's periodic re-selection)."""

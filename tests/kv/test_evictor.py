@@ -99,3 +99,39 @@ def test_a_test_only_evictor_compiles_to_one_graph_equal_to_eager():
     assert max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) <= 1e-5
     ring, _ = gen(model, ids, StreamingLLM(budget=32, sink=4), new=50)  # the same sets: the same tokens
     assert torch.equal(ring.sequences, ref.sequences)
+
+
+def test_a_grown_h2o_pool_decodes_as_one_made_that_large():
+    """A pool that grows mid-decode (a longer request arrived) grows its evictor's state with it: the row
+    decodes the same tokens and keeps the same entries as in a pool allocated at that size."""
+    from evalkit.kv import H2O, KVCache
+    from tests.kv.test_decode_eviction import sharp_model
+
+    model = sharp_model("llama", seed=5)
+    ids = prompts((60,), seed=6)[0][None]
+    cache = KVCache.for_model(H2O(budget=24, recent=4), model)
+    with torch.inference_mode():
+        first = model(ids, cache=cache).logits[:, -1:].argmax(-1)
+
+    def decode(pool, token, steps):
+        out = []
+        with torch.inference_mode():
+            for _ in range(steps):
+                position = pool.rows.next_pos.clone()[:, None]
+                token = model(input_ids=token, position_ids=position, cache=pool).logits[:, -1:].argmax(-1)
+                pool.decoded([0])
+                out.append(int(token))
+        return out, token
+
+    def held(pool):
+        return [[set(p[pool.rows.valid[0]].tolist()) for p in layer.pos[0]] for layer in pool.layers]
+
+    pools = [SlotPool.shaped_like(cache, 1, n) for n in (24, 40)]
+    for pool in pools:
+        pool.load_row(0, cache)
+    grown, large = pools
+    before, token = decode(grown, first, 10)
+    grown.grow(40)
+    after, _ = decode(grown, token, 30)
+    assert before + after == decode(large, first, 40)[0]
+    assert held(grown) == held(large) and grown.capacity == large.capacity == 40
