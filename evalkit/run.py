@@ -38,6 +38,7 @@ from evalkit.errors import EvalkitError, exit_with
 from evalkit.identity import check_folder, classify, run_dir, run_identity
 from evalkit.journal import Journal, fold_shards, open_journals, request_keys
 from evalkit.kv.config import canonical, make_method, method_class
+from evalkit.kv.methods import RunFacts
 from evalkit.results import RunLock, atomic_write, check_writable, config_yaml
 from evalkit.summary import announce, next_step, print_table, summarize
 from evalkit.task import DataError
@@ -222,30 +223,21 @@ def has_followup(cfg: DictConfig) -> bool:
 
 
 def check_decode_eviction(plans: list[Plan], model_cfg, tp: int = 1) -> None:
-    """What a decode-time eviction method (h2o, snapkv_decode: its slot pool holds rows of its own kind)
-    cannot run with under `tp`-way tensor parallelism, refused before the model loads."""
+    """What a plan's method cannot run with (`KVMethod.refusal`: a decode-time evictor's slot pool, e.g.
+    h2o and snapkv_decode), refused before the model loads."""
+    mla = getattr(model_cfg.get_text_config(), "kv_lora_rank", None) is not None
     for p in plans:
-        name, kind = p.method.name, p.method.evict
-        if kind is None:
-            continue
-        mla = getattr(model_cfg.get_text_config(), "kv_lora_rank", None) is not None
-        if kind == "refit" and mla:
-            raise ConfigError(
-                f"method {name} re-scores the cached keys, but {p.cfg.model.name} caches MLA's latent (keys "
-                "are rebuilt from it inside attention): use h2o, snapkv or snapstream"
-            )
-        if mla and p.cfg.compile and tp > 1:
-            raise ConfigError(
-                f"method {name} with compile=true under tensor parallelism on an MLA model: every step's "
-                "eviction is broadcast from the TP root, which the compiled step cannot hold. Set "
-                "compile=false, or run one process"
-            )
-        if has_followup(p.cfg):
-            raise ConfigError(
-                f"task {p.cfg.task.name} asks a second call on the full cache after each first one, which a "
-                f"{name} slot pool cannot hold beside its rows: use method snapkv or snapstream, or "
-                "task=longbench_v2"
-            )
+        facts = RunFacts(
+            model_name=p.cfg.model.name,
+            mla=mla,
+            followup=has_followup(p.cfg),
+            compile=bool(p.cfg.compile),
+            tp=tp,
+            task=p.cfg.task.name,
+        )
+        why = p.method.refusal(facts)
+        if why is not None:
+            raise ConfigError(why)
 
 
 def _int(v) -> bool:
@@ -439,6 +431,9 @@ def run(cfg: DictConfig, team: Team | None = None) -> list[dict]:
             generate(todo, load_kwargs, context, team)
         team.barrier()  # every replica has journaled its share
         team.gather_kv()
+        # the last collective: every rank leaves the group together, so no rank's gloo teardown (at its exit)
+        # overlaps a peer still in the group (a TP rank aborted so in CI, taking the writer with it)
+        team.leave()
         if not writer:
             return []
         for p in plans:

@@ -215,8 +215,8 @@ class Team:
         return team
 
     def leave(self) -> None:
-        """Leave the process group once the run is over on every rank (tests; `python -m evalkit` leaves at
-        exit)."""
+        """Leave the process group once the run's last collective is over on every rank (collective; the
+        writer scores after it alone). A rank that fails leaves at exit, without a barrier."""
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

@@ -4,7 +4,7 @@
 Per prompt, one recorded prefill (every query kept: h2o's prefill scores with all of them) fills each method's
 cache, which goes into a one-row slot pool, the engine's decode path (eager forward). Steps run in interleaved
 rounds, each config in turn, so machine noise hits all alike. Each decode-time method runs twice from the same
-state: as it is, and with its scoring off (`score_updates=False`: h2o adds no attention to its sums,
+state: as it is, and with its scoring off (`evictor.scoring = False`: h2o adds no attention to its sums,
 snapkv_decode stores no query and never re-selects), so `scoring_ms` = mean step with scoring - mean step
 without: the per-step cost of the score update, snapkv_decode's re-selections amortised in (`refit_ms`: one
 re-selection, timed directly). tok/s are from mean step times (re-selection steps included).
@@ -21,6 +21,8 @@ import torch
 from evalkit.bench.base import Context, Measurement
 from evalkit.bench.timing import filled_cache, label, prompt_ids, sync
 from evalkit.kv import H2O, Full, KVCache, SnapKVDecode, SnapStream
+from evalkit.kv.evict import RefitEvictor
+from evalkit.kv.methods import RunFacts
 from evalkit.kv.pool import SlotPool
 from evalkit.kv.prefill import PrefillRecord
 
@@ -28,24 +30,32 @@ ALL_QUERIES = 1 << 30  # a record window that keeps every prompt query (h2o's pr
 
 
 def methods(model, budget: int) -> list:
-    """snapstream, h2o and snapkv_decode at `budget` (snapkv_decode re-scores cached keys: not on MLA)."""
+    """snapstream, h2o and snapkv_decode at `budget`, less those the model refuses (snapkv_decode re-scores
+    cached keys: not on MLA)."""
     mla = hasattr(model.config.get_text_config(), "kv_lora_rank")
+    facts = RunFacts(model_name=model.config.name_or_path, mla=mla, followup=False, compile=False, tp=1)
     # the conf's window (32) where the budget allows it; small smoke budgets scale it down to fit
-    refit = [] if mla else [SnapKVDecode(budget=budget, window=min(32, budget // 8))]
-    return [SnapStream(budget=budget), H2O(budget=budget)] + refit
+    every = [
+        SnapStream(budget=budget),
+        H2O(budget=budget),
+        SnapKVDecode(budget=budget, window=min(32, budget // 8)),
+    ]
+    return [m for m in every if m.refusal(facts) is None]
 
 
 @torch.inference_mode()
 def pools(method, model, record: PrefillRecord, ids) -> list[SlotPool]:
-    """One-row pools holding `method`'s compressed prompt: [as it is] plus, for a decode-time method, [scoring
-    off] from the same state."""
+    """One-row pools holding `method`'s compressed prompt: [as it is] plus, for a method whose evictor scores
+    while decoding, [scoring off] from the same state."""
     cache = filled_cache(method, model, record, ids)
     out = []
-    for scoring in (True, False) if method.evict else (True,):
+    for scoring in (True, False):
         pool = SlotPool.shaped_like(cache, 1, method.budget)
         pool.load_row(0, cache)
-        pool.score_updates = scoring
+        pool.evictor.scoring = scoring
         out.append(pool)
+        if not pool.observing:  # nothing to switch off
+            break
     return out
 
 
@@ -74,7 +84,7 @@ def eviction_speed(model, ids, budget: int, steps: int, rounds: int = 4) -> list
         del cache
     runs = []  # [method, scoring, pool, token]
     for method in methods(model, budget):
-        runs += [[method, p.score_updates, p, first] for p in pools(method, model, record, ids)]
+        runs += [[method, p.evictor.scoring, p, first] for p in pools(method, model, record, ids)]
     del record
     times = {(m.name, s): [] for m, s, _, _ in runs}
     refit = RefitTimer()
@@ -88,7 +98,8 @@ def eviction_speed(model, ids, budget: int, steps: int, rounds: int = 4) -> list
 
 
 class RefitTimer:
-    """Wall time and count of snapkv_decode's re-selections (`evalkit.kv.pool.refit_row`) per config."""
+    """Wall time and count of snapkv_decode's re-selections (`evalkit.kv.evict.RefitEvictor.refit`) per
+    config."""
 
     def __init__(self):
         self.spent: dict[str, float] = {}
@@ -96,24 +107,22 @@ class RefitTimer:
 
     @contextlib.contextmanager
     def timing(self, name: str | None):
-        import evalkit.kv.pool as pool_module
+        inner = RefitEvictor.refit
 
-        inner = pool_module.refit_row
-
-        def timed(pool, r):
+        def timed(evictor, pool, r):
             sync(pool.rows.valid)
             start = time.perf_counter()
-            inner(pool, r)
+            inner(evictor, pool, r)
             sync(pool.rows.valid)
             if name is not None:
                 self.spent[name] = self.spent.get(name, 0.0) + time.perf_counter() - start
                 self.calls[name] = self.calls.get(name, 0) + 1
 
-        pool_module.refit_row = timed
+        RefitEvictor.refit = timed
         try:
             yield
         finally:
-            pool_module.refit_row = inner
+            RefitEvictor.refit = inner
 
 
 def _row(prompt: int, method, times: dict, refit: RefitTimer) -> dict:

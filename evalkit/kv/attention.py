@@ -50,8 +50,9 @@ def evalkit_attention(module, query, key, value, attention_mask, scaling=None, *
             raise ValueError("evalkit's static decode attention supports neither softcap nor dropout")
         mask = layer.cache.decode_mask()
         out = static_decode_sdpa(query, key, value, mask, scaling)
-        if layer.cache.observing:  # decode-time eviction: this query's attention, or the query itself
-            layer.cache.observe(layer, query, key, mask, scaling)
+        if layer.cache.observing:  # the cache's evictor scores this step: its attention, or the query itself
+            scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+            layer.cache.evictor.observe(layer.cache, layer, query, key, mask, scaling)
         return out
     mask = layer.cache.decode_mask()
     return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, is_causal=False, **kwargs)

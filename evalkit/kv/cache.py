@@ -17,8 +17,9 @@ reproduces the full cache exactly. Keys keep the RoPE of their original position
 This is the dynamic cache (host bookkeeping, growing buffers; a batch decodes only rows of one prompt length,
 a left-padded batch goes through `evalkit.kv.generate`, i.e. the engine), as transformers splits DynamicCache
 and StaticCache: `static.StaticKVCache` (`compile: true`) fixes shapes and per-step state, `pool.SlotPool` is
-the engine's static cache whose rows are filled one request at a time. The decode-time eviction methods
-(`h2o`, `snapkv_decode`: `evalkit.kv.evict`) are prefilled here and decode in that pool only.
+the engine's static cache whose rows are filled one request at a time. Each cache holds its method's evictor
+(`evalkit.kv.evict`): it keeps what the prefill hands a decode-time method (h2o's sums), and such a method
+decodes in that pool only.
 """
 
 from __future__ import annotations
@@ -43,8 +44,6 @@ class KVLayer(CacheLayerMixin):
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # full prompt K/V awaiting compression
         self.pos: torch.Tensor | None = None  # (B, H, cap) int32 original position per slot, -1 = empty
         self.steps = 0  # decode steps written by this layer
-        self.acc: torch.Tensor | None = None  # h2o: (B, H, cap) float32 accumulated attention per slot
-        self.queries: torch.Tensor | None = None  # snapkv_decode: (B, H_q, window, D) last decode queries
 
     @property
     def is_compileable(self) -> bool:
@@ -93,16 +92,12 @@ class KVLayer(CacheLayerMixin):
         rows = self.cache.prefill_rows(attention_mask, keys.shape[0], keys.shape[2], keys.device)
         b, h = keys.shape[:2]
         pos = rows.base_pos[:, None, :].expand(b, h, rows.n).clone()  # (B, H, n) position per slot
-        method = self.cache.method
-        accumulates = method.evict == "h2o"  # H2O carries every kept entry's prefill score into decode
-        self.query_shape = query.shape[1], query.shape[-1]  # (H_q, D): a decode-scoring pool's query buffer
-        self.scaling = scaling
-        self.expanded = attn_keys is not keys  # MLA: attention reads per-head keys rebuilt from the cache's
+        method, evictor = self.cache.method, self.cache.evictor
         scores = None
-        if self.cache.has_topk or accumulates:  # (B, H_attn, T); pads are masked out of the softmax
+        if self.cache.has_topk or evictor.prompt_scores:  # (B, H_attn, T); pads are masked out of the softmax
             scores = group_mean(method.score(query, attn_keys, rows.candidates, rows.pad, scaling), h)
         if self.cache.has_topk:
-            ranked = scores.masked_fill(~rows.candidates[:, None], float("-inf"))  # h2o's are unrestricted
+            ranked = scores.masked_fill(~rows.candidates[:, None], float("-inf"))  # an evictor keeps from all
             place_topk(pos, ranked, rows, method.blocks(), self.cache.agree)
         src = (pos.clamp(min=0) + rows.pad[:, None, None]).unsqueeze(-1)  # (B, H, n, 1) prompt columns
         empty = (pos < 0).unsqueeze(-1)
@@ -110,8 +105,12 @@ class KVLayer(CacheLayerMixin):
         self.keys, self.values = (_gathered(x, src, empty, cap) for x in (keys, values))
         self.pos = pos.new_full((b, h, cap), -1, dtype=torch.int32)
         self.pos[:, :, : rows.n] = pos
-        if accumulates:  # (B, H, cap) float32 accumulated attention per slot, 0 where empty
-            self.acc = _gathered(scores.unsqueeze(-1), src, empty, cap).squeeze(-1)
+
+        def to_slots(x: torch.Tensor) -> torch.Tensor:  # (B, H, T) per prompt column -> (B, H, cap) per slot
+            return _gathered(x.unsqueeze(-1), src, empty, cap).squeeze(-1)
+
+        # MLA: attention reads per-head keys rebuilt from the cache's latent (`attn_keys is not keys`)
+        evictor.prefilled(self, query, scaling, attn_keys is not keys, scores, to_slots)
         self.cache.allocated(self)
 
     def grow(self, capacity: int) -> None:
@@ -149,6 +148,8 @@ class KVCache(Cache):
     """
 
     static = False  # what attention and transformers' compile check read: the dynamic cache is never compiled
+    pooled = False  # the engine's slot pool (`pool.SlotPool`), the one cache a decode-time evictor decodes in
+    observing = False  # attention hands each decode step's query to the evictor's `observe` (static caches)
 
     def __init__(
         self,
@@ -172,6 +173,7 @@ class KVCache(Cache):
         # (B, 1, q, visible) bool for this step, None = attend to all
         self.step_mask: torch.Tensor | None = None
         self.has_topk = False  # some row keeps a SnapKV selection (scoring runs at prefill)
+        self.evictor = method.evictor()  # the method's decode-time behaviour (`evalkit.kv.evict`)
         super().__init__(layers=[KVLayer(self, i) for i in range(num_layers)])
 
     @classmethod
@@ -235,12 +237,7 @@ class KVCache(Cache):
         rows = self.rows
         if self.step == 0:
             self._check_rows()
-            if self.method.evict is not None:
-                raise ValueError(
-                    f"{self.method.name} chooses what to evict while decoding, which the dynamic cache "
-                    "(model.generate with a KVCache) does not do: decode through evalkit.kv.generate or "
-                    "evalkit.engine.Engine"
-                )
+            self.evictor.check_cache(self)  # a decode-time evictor decodes in the engine's slot pool only
         position = rows.lengths[0] + self.seen - self._prompt_width  # this token's position (every row)
         if self.method.ring:
             self._check_one(q, "a ring cache decodes one token per forward after prefill", "not supported")

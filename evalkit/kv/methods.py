@@ -33,6 +33,19 @@ from typing import ClassVar
 import torch
 
 from evalkit.kv import select
+from evalkit.kv.evict import Evictor, H2OEvictor, RefitEvictor
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a run is, as far as a method may refuse it before any model loads (`KVMethod.refusal`)."""
+
+    model_name: str
+    mla: bool  # the model caches a latent (MLA): attention reads keys rebuilt from it
+    followup: bool  # the task makes a second call after the first
+    compile: bool
+    tp: int  # tensor-parallel processes
+    task: str = ""  # the task's name, for the message
 
 
 @dataclass
@@ -47,9 +60,9 @@ class KVMethod:
     budget: ClassVar[int | None] = None  # KV entries kept per layer and KV head; None: uncompressed
     window: ClassVar[int] = 0  # observation window (last prompt queries) a shared prefill must keep
     spare_slots: ClassVar[str] = "ring"  # what a ring's slots beyond the prompt hold ("pad": the spec's)
-    # Decode-time eviction (a fixed-size cache whose decode chooses the slot to overwrite): None (ring or
-    # append), "h2o" (accumulated attention, every step) or "refit" (SnapKV re-selection every `interval`).
-    evict: ClassVar[str | None] = None
+    # Its decode in a static cache and the slot pool (`evalkit.kv.evict`): `Evictor` chooses nothing (the ring
+    # or append); a decode-time method names its own (h2o: `H2OEvictor`, snapkv_decode: `RefitEvictor`).
+    evictor: ClassVar[type[Evictor]] = Evictor
 
     def blocks(self) -> tuple[int, int, int]:
         """(sink, tail, top-K) used when a prompt does not fit in the budget."""
@@ -62,6 +75,11 @@ class KVMethod:
         sees them; candidates (B, T) bool, the positions the top-K block may hold; pad (B,) left pad columns.
         """
         return None
+
+    def refusal(self, facts: RunFacts) -> str | None:
+        """Why this method cannot run as `facts` describe (checked before any model loads), or None. Its
+        evictor's refusals by default (a decode-time slot pool's)."""
+        return self.evictor.refusal(self, facts)
 
     def describe(self) -> dict:
         return {"name": self.name, **asdict(self)}
@@ -206,7 +224,7 @@ class H2O(KVMethod):
     recent: int | None = None  # None: budget // 2 (the reference's equal heavy and recent ratios)
     name: ClassVar[str] = "h2o"
     ring: ClassVar[bool] = True
-    evict: ClassVar[str | None] = "h2o"
+    evictor: ClassVar[type[Evictor]] = H2OEvictor
     window: ClassVar[int] = 1 << 30  # the prefill scores with every prompt query: a shared prefill keeps all
 
     def __post_init__(self):
@@ -242,7 +260,7 @@ class SnapKVDecode(SnapKV):
     interval: int | None = None  # None: budget // 4, at least window + 1
     name: ClassVar[str] = "snapkv_decode"
     ring: ClassVar[bool] = True
-    evict: ClassVar[str | None] = "refit"
+    evictor: ClassVar[type[Evictor]] = RefitEvictor
 
     def __post_init__(self):
         _check_budget(self.name, self.budget)

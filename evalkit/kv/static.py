@@ -9,11 +9,13 @@ captures it once per (batch, slots). Prefill and compression are the dynamic cac
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 from transformers import CompileConfig
 
 from evalkit.kv.cache import KVCache, KVLayer
-from evalkit.kv.layout import Rows, ring_slot, slots_needed
+from evalkit.kv.layout import Rows, slots_needed
 
 
 def pin(*tensors: torch.Tensor) -> None:
@@ -39,13 +41,29 @@ def compile_config(model, backend="inductor", mode: str | None = None) -> Compil
     return config
 
 
+@dataclass
+class StepState:
+    """A static cache's per-row decode state: device tensors that each step's first layer updates in place
+    (its evictor's `advance`), so a compiled step holds no Python counter."""
+
+    sink: torch.Tensor  # (B,) sink slots per row
+    ring: torch.Tensor  # (B,) bool: ring or append
+    slots: torch.Tensor  # (B,) slots after prefill (a fixed-size row's budget)
+    row: torch.Tensor  # (B,) row index, for the writes' advanced indexing
+    slot: torch.Tensor  # (B,) slot this step writes
+    pos: torch.Tensor  # (B,) int32 position of this step's token
+    next_slot: torch.Tensor  # (B,) next free slot (append rows; decode-time eviction rows until full)
+    seen: torch.Tensor  # () columns seen, pads included
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+
 class StaticKVCache(KVCache):
     """A compressed cache with fixed shapes and per-row layout state on the device (sink, ring or append, next
     free column), so rows of different methods and budgets can share one (`evalkit.kv.pool.SlotPool`)."""
 
     static = True
-    observing = False  # attention hands this cache each step's query (decode-time eviction scores it)
-    pooled = False  # the engine's slot pool (`pool.SlotPool`), the one static cache that evicts at decode
 
     def _check_max_new(self, max_new_tokens):
         """A static append cache allocates its decode slots at prefill: it must know how many."""
@@ -64,25 +82,21 @@ class StaticKVCache(KVCache):
 
     def _prefilled(self, rows: Rows, t: int) -> None:
         """The per-step state as device tensors that every decode step updates in place."""
-        if self.method.evict is not None and not self.pooled:
-            raise ValueError(
-                f"{self.method.name} chooses what to evict while decoding, in the engine's slot pool only: "
-                "decode through evalkit.kv.generate or evalkit.engine.Engine"
-            )
+        self.evictor.check_cache(self)
+        self.observing = self.evictor.observes  # an attribute: attention reads it per layer and step
         b, dev = rows.valid.shape[0], rows.valid.device
         sink = min(self.method.blocks()[0], rows.n)
-        self._sink = torch.full((b,), sink, dtype=torch.long, device=dev)  # (B,) sink slots per row
-        self._ring = torch.full((b,), self.method.ring, dtype=torch.bool, device=dev)  # (B,) ring or append
-        self._slots = torch.full((b,), rows.n, dtype=torch.long, device=dev)  # (B,) slots after prefill
-        self._row = torch.arange(b, device=dev)  # (B,) row index, for the writes' advanced indexing
-        self._slot = torch.zeros(b, dtype=torch.long, device=dev)  # (B,) slot this step writes, per row
-        self._slot_pos = torch.zeros(b, dtype=torch.int32, device=dev)  # (B,) position of this step's token
-        self._next_slot = torch.full(
-            (b,), rows.n, dtype=torch.long, device=dev
-        )  # (B,) append: next free column
-        self._seen = torch.tensor(t, device=dev)  # () columns seen, pads included
-        state = (self._sink, self._ring, self._slots, self._row, self._slot, self._slot_pos, self._next_slot)
-        pin(rows.valid, rows.next_pos, rows.tail, *state, self._seen)
+        self.state = StepState(
+            sink=torch.full((b,), sink, dtype=torch.long, device=dev),
+            ring=torch.full((b,), self.method.ring, dtype=torch.bool, device=dev),
+            slots=torch.full((b,), rows.n, dtype=torch.long, device=dev),
+            row=torch.arange(b, device=dev),
+            slot=torch.zeros(b, dtype=torch.long, device=dev),
+            pos=torch.zeros(b, dtype=torch.int32, device=dev),
+            next_slot=torch.full((b,), rows.n, dtype=torch.long, device=dev),
+            seen=torch.tensor(t, device=dev),
+        )
+        pin(rows.valid, rows.next_pos, rows.tail, *self.state.tensors())
 
     def allocated(self, layer: KVLayer) -> None:
         pin(layer.keys, layer.values, layer.pos)
@@ -90,7 +104,7 @@ class StaticKVCache(KVCache):
     def seq_length(self) -> int | torch.Tensor:
         """A device tensor (as transformers' StaticCache answers): a Python int that grows each step would
         recompile a compiled step each step."""
-        return self._seen if self.rows is not None else self.seen
+        return self.state.seen if self.rows is not None else self.seen
 
     # --- decode ---------------------------------------------------------------------------------------------
     def write(self, layer: KVLayer, k: torch.Tensor, v: torch.Tensor):
@@ -101,35 +115,18 @@ class StaticKVCache(KVCache):
                 f"(got {k.shape[2]}); chunked prefill and multi-token continuation need compile off"
             )
         if layer.layer_idx == 0:  # the step's first layer advances the state every layer shares
-            self._advance_state()
+            self.evictor.advance(self)
         # index_put_ (not scatter_): inductor writes it in place into the buffers; a scatter it would apply to
         # a copy of each buffer and copy back, moving the whole cache twice per layer and step
-        index = self._write_index(layer)
+        index = self.evictor.write_index(self, layer)
         layer.keys[index] = k[:, :, 0]  # (B, H, D_k)
         layer.values[index] = v[:, :, 0]
-        layer.pos[index] = self._slot_pos[:, None]  # (B, 1) -> (B, H)
+        layer.pos[index] = self.state.pos[:, None]  # (B, 1) -> (B, H)
         return layer.keys, layer.values
 
     def decoded(self, active: list[int]) -> None:
-        """Host hook after each engine decode step (the pool's decode-time re-selection)."""
-
-    def _write_index(self, layer: KVLayer) -> tuple:
-        """Where this step's token goes: (B,) rows x all heads x (B,) slots (decode-time eviction: per
-        head)."""
-        return self._row, slice(None), self._slot
-
-    def _advance_state(self) -> None:
-        """This step's slot and position per row, the slot marked valid, counters moved on: all in place."""
-        rows = self.rows
-        p = rows.next_pos  # (B,) this token's position per row
-        # ring rows: their ring slot (short prompts fill the sinks first); append rows: the next free column
-        slot = torch.where(self._ring, ring_slot(p, self._sink, rows.tail), self._next_slot)
-        self._slot.copy_(slot)
-        self._slot_pos.copy_(p)
-        rows.valid[self._row, self._slot] = True
-        rows.next_pos.add_(1)
-        self._next_slot.add_(1)
-        self._seen.add_(1)
+        """Host hook after each engine decode step (a decode-time method's periodic re-selection)."""
+        self.evictor.after_step(self, active)
 
     def decode_mask(self) -> torch.Tensor:
         """(B, 1, 1, slots): every slot is read, under the valid-slot mask."""
@@ -140,7 +137,7 @@ class StaticKVCache(KVCache):
         """An append cache counts the slots written since prefill on the device: one sync, at report time."""
         if self.method.ring or self.rows is None:
             return self.used
-        return self.rows.n + int(self._seen) - self._prompt_width
+        return self.rows.n + int(self.state.seen) - self._prompt_width
 
     def _kept(self) -> list[int]:
         """Each slot is marked valid as it is written."""
@@ -148,4 +145,5 @@ class StaticKVCache(KVCache):
 
     def _row_slots(self, kept: list[int]) -> list[int]:
         """A ring row holds its slots after prefill whatever it holds; an append row its kept."""
-        return torch.where(self._ring, self._slots, torch.tensor(kept, device=self._slots.device)).tolist()
+        state = self.state
+        return torch.where(state.ring, state.slots, torch.tensor(kept, device=state.slots.device)).tolist()
