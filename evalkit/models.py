@@ -28,6 +28,17 @@ from evalkit.sources import (  # noqa: F401  where a model's files come from: re
 )
 
 
+@dataclass(frozen=True)
+class RunNeeds:
+    """What a run asks of its model backend, refused by `ModelBackend.check` when the backend cannot do it."""
+
+    method: str  # the method's conf name
+    task: str
+    query_aware: bool = True  # false: the context compressed before the question
+    multi_question: bool = False  # a context's questions asked one after another on one cache
+    processes: int = 1  # the run's world size (parallel.tp_size x parallel.dp_size)
+
+
 class ModelBackend(Protocol):
     """What the runner asks of a model conf, whether it runs in process (ModelSpec) or behind a server
     (evalkit.served.ServedSpec); the runner never asks which one it has."""
@@ -37,8 +48,8 @@ class ModelBackend(Protocol):
     max_new_tokens: int | None
     prompt_format: str | None
 
-    def check(self, method_name: str) -> None:
-        """Refuse a conf that cannot run with this method, before any data loads (ConfigError)."""
+    def check(self, needs: RunNeeds) -> None:
+        """Refuse a conf that cannot run what `needs` asks, before any data loads (ConfigError)."""
 
     def make_lm(self, plans: list, context: int, load: Callable) -> Any:
         """The lm-eval model generating the plans' journals; `load(spec)` loads weights (the runner's
@@ -72,8 +83,16 @@ class ModelSpec:
     prompt_format: str | None = None
 
     # --- ModelBackend: generation in this process -----------------------------------------------------------
-    def check(self, method_name: str) -> None:
-        """Every method runs in process."""
+    def check(self, needs: RunNeeds) -> None:
+        """Every method, layout and question order runs in process; a task's own single-turn template for
+        this model family (`prompt_format`) has no next turn for a later question."""
+        if needs.multi_question and self.prompt_format:
+            from evalkit.config import ConfigError
+
+            raise ConfigError(
+                f"multi_question=true: model {self.name} renders {needs.task} with its own single-turn "
+                f"template (model.prompt_format={self.prompt_format}): set model.prompt_format=null"
+            )
 
     def make_lm(self, plans: list, context: int, load: Callable) -> Any:
         """EvalkitLM for the first plan; the other plans' budgets replay its prefills (`also`)."""

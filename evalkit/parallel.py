@@ -205,18 +205,6 @@ def agree(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def check_model(spec) -> None:
-    """A served model (`base_url`) generates behind its own server: several evalkit processes would each send
-    every request to it. Refused before anything loads."""
-    from evalkit.config import ConfigError
-
-    if LAYOUT.world > 1 and getattr(spec, "base_url", None) is not None:
-        raise ConfigError(
-            f"model {spec.name} is served at {spec.base_url}: its server does the parallel work; run it with "
-            f"NPROC=1 (this run started {LAYOUT.world} processes)"
-        )
-
-
 def agree_kept(indices: torch.Tensor) -> torch.Tensor:
     """Where scores become kept positions: under TP with replicated attention (MLA: one kept set per layer on
     every rank) the TP root's choice, broadcast; else `indices` as they are (one process, or per-rank KV heads

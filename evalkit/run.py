@@ -1,7 +1,8 @@
 """The entry point: `python -m evalkit [overrides]` evaluates one (model, task, method, budget) with lm-eval.
 
-Reads top to bottom: validate the config (no data, no model), check what each run folder already holds, load
-the data, then
+Reads top to bottom (`run`): plan every budget and check everything that can be checked (evalkit.checks: no
+data, no model), check what each run folder already holds, read the model's config and check the plans
+against it, load the data, then
 - generate: lm-eval drives the task's requests through the evalkit model; every finished generation is
   journaled (`generations.jsonl`), so a killed run resumes where it stopped;
 - score: every sample is scored from the journal by the task's own scorer, and `samples.jsonl` +
@@ -15,7 +16,6 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,17 +24,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from evalkit import checks, parallel
 from evalkit import metrics as metrics_record
-from evalkit import parallel
-from evalkit.config import (
-    CONF_DIR,
-    ConfigError,
-    check_choice,
-    choices,
-    compose,
-    group_config,
-    model_spec,
-)
+from evalkit.config import CONF_DIR, ConfigError, choices, compose, group_config, model_spec
 from evalkit.errors import EvalkitError, exit_with
 from evalkit.identity import check_folder, classify
 from evalkit.journal import Journal, request_keys
@@ -45,8 +37,11 @@ from evalkit.task import DataError
 
 TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
 _MODELS: dict[str, tuple] = {}  # one load per process across the jobs of a sweep
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # run-folder components: no separators, no "..", no "-x"
 log = logging.getLogger("evalkit")
+SAYS = {
+    "rebuild": "samples.jsonl is missing; rebuilding it from its journal",
+    "rescore": "scorer or grading settings changed; re-scoring from its journal",
+}
 
 
 @dataclass(eq=False)
@@ -60,22 +55,30 @@ class Plan:
     # (skipped)
     state: str = "new"
     journal: Journal | None = field(default=None, repr=False)
+    left: int = 0  # requests not journaled yet (0: scoring needs no model)
 
 
-# --- configuration: everything that can fail before data or a model is loaded ------------------------------
+# --- the plan: everything that can fail before data or a model is loaded ----------------------------------
 def plan(cfg: DictConfig) -> Plan:
-    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
-    for group in ("model", "task", "method"):
-        if group in choices:
-            check_choice(group, choices[group])
-    for key in ("task.name", "model.name", "task.lm_eval_task"):
-        value = OmegaConf.select(cfg, key)
-        if not isinstance(value, str) or not NAME.fullmatch(value):
-            raise ConfigError(
-                f"{key} must be a plain name (letters, digits, '_', '.', '-', '+'), got {value!r}"
-            )
+    hydra_choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    checks.check_names(cfg, hydra_choices)
+    cfg, method, method_name = resolve_method(cfg, hydra_choices)
+    checks.check_run_settings(cfg)
+    out = run_dir(cfg, method_name, group_config("method", method_name), conf_defaults(cfg))
+    try:
+        task_module = importlib.import_module(cfg.task.module)
+    except ImportError as e:
+        raise ConfigError(f"task {cfg.task.name}: cannot import {cfg.task.module} ({e})") from None
+    checks.check_task(cfg, task_module)
+    spec = model_spec(cfg.model)
+    checks.check_backend(cfg, spec, method_name)  # e.g. a served model: method full, one process, an address
+    return Plan(cfg, method, spec, task_module, out)
+
+
+def resolve_method(cfg: DictConfig, hydra_choices: dict) -> tuple[DictConfig, object, str]:
+    """(the config with its method settings in their one spelling, the method, its conf name)."""
     cls = method_class(cfg.method._target_)
-    method_name = choices.get("method") or cls.name  # the conf's name (SnapKVDecode: snapkv_decode)
+    method_name = hydra_choices.get("method") or cls.name  # the conf's name (SnapKVDecode: snapkv_decode)
     if not cls.budget_applies and cfg.method.get("budget") is not None:
         # a sweep lists `full` beside compressed methods: its budgets all name the one uncompressed run
         log.info("%s keeps every entry: budget=%s does not apply", method_name, cfg.method.budget)
@@ -84,23 +87,7 @@ def plan(cfg: DictConfig) -> Plan:
     defaults = group_config("method", method_name)
     if (same := canonical(cfg.method, method, defaults)) is not cfg.method:  # e.g. recent=32 at budget 256
         cfg = OmegaConf.merge(cfg, {"method": same})
-    check_run_settings(cfg)
-    out = run_dir(cfg, method_name, defaults, conf_defaults(cfg))
-    try:
-        task_module = importlib.import_module(cfg.task.module)
-    except ImportError as e:
-        raise ConfigError(f"task {cfg.task.name}: cannot import {cfg.task.module} ({e})") from None
-    for attr, what in (
-        ("VERSION", "bumped when prompts or data change"),
-        ("SCORER_VERSION", "bumped when scoring changes"),
-    ):
-        if not _int(getattr(task_module, attr, None)):
-            raise ConfigError(f"task module {cfg.task.module} must define {attr} (an int, {what})")
-    check_load_keys(cfg, task_module)
-    check_question_split(cfg, task_module)
-    spec = model_spec(cfg.model)
-    spec.check(method_name)  # a served model: method full, a valid address, a tokenizer
-    return Plan(cfg, method, spec, task_module, out)
+    return cfg, method, method_name
 
 
 def conf_defaults(cfg: DictConfig) -> DictConfig | None:
@@ -109,147 +96,6 @@ def conf_defaults(cfg: DictConfig) -> DictConfig | None:
     if cfg.task.name not in choices("task") or cfg.model.name not in choices("model"):
         return None
     return compose(overrides=[f"task={cfg.task.name}", f"model={cfg.model.name}"])
-
-
-def check_run_settings(cfg: DictConfig) -> None:
-    for key, value, ok, rule in (
-        ("batch_size", cfg.get("batch_size"), lambda v: _int(v) and v >= 1, "a positive integer"),
-        ("limit", cfg.get("limit"), lambda v: v is None or _int(v) and v >= 1, "null or a positive integer"),
-        ("seed", cfg.get("seed"), _int, "an integer"),
-        ("compile", cfg.get("compile"), lambda v: isinstance(v, bool), "true or false"),
-        ("query_aware", cfg.get("query_aware", True), lambda v: isinstance(v, bool), "true or false"),
-        ("multi_question", cfg.get("multi_question", False), lambda v: isinstance(v, bool), "true or false"),
-        (
-            "model.max_new_tokens",
-            cfg.model.get("max_new_tokens"),
-            lambda v: v is None or _int(v) and v >= 1,
-            "null (the task's own limit) or a positive integer",
-        ),
-        ("task.repeats", cfg.task.get("repeats"), lambda v: _int(v) and v >= 1, "a positive integer"),
-        (
-            "task.load.n",
-            cfg.task.load.get("n"),
-            lambda v: v is None or _int(v) and v >= 1,
-            "null (all) or a positive integer",
-        ),
-    ):
-        if not ok(value):
-            raise ConfigError(f"{key} must be {rule}, got {value!r}")
-
-
-def check_question_split(cfg: DictConfig, task_module) -> None:
-    """query_aware=false needs a task whose prompt has a context before its question, and that says where the
-    question starts (`question_start`); a task without one is refused with its own reason. multi_question
-    needs query_aware=false and the tokenizer's chat template (its next questions are chat turns)."""
-    if cfg.get("multi_question", False):
-        if cfg.get("query_aware", True):
-            raise ConfigError(
-                "multi_question=true asks several questions on one context compressed before any of them: "
-                "it needs query_aware=false"
-            )
-        if cfg.model.get("prompt_format") or cfg.model.get("base_url"):
-            raise ConfigError(
-                f"multi_question=true: model {cfg.model.name} "
-                + (
-                    "is served (a served cache is not held between requests): run it in process"
-                    if cfg.model.get("base_url")
-                    else f"renders {cfg.task.name} with its own single-turn template "
-                    f"(model.prompt_format={cfg.model.prompt_format}): set model.prompt_format=null"
-                )
-            )
-    if cfg.get("query_aware", True):
-        return
-    if getattr(task_module, "question_start", None) is None:
-        why = getattr(task_module, "NO_QUESTION_SPLIT", "its module does not say where the question starts")
-        raise ConfigError(
-            f"query_aware=false: task {cfg.task.name} cannot compress its context before the question: "
-            f"{why}. Run it with query_aware=true (the default)"
-        )
-
-
-def ask_later(lm, p: Plan) -> None:
-    """query_aware=false: the in-process LM splits each prompt at the task's `question_start`. A served model
-    keeps a full cache, which is query-agnostic by nature: its prompts go as they are (the same outputs)."""
-    if not p.cfg.get("query_aware", True) and hasattr(lm, "question_start"):
-        lm.question_start = p.task_module.question_start
-        lm.multi_question = bool(p.cfg.get("multi_question", False))
-
-
-RUNNER_LOAD_KEYS = {
-    "tokenizer",
-    "model_context",
-    "prompt_format",
-    "multi_question",
-}  # what the runner itself passes to `load`
-
-
-def check_load_keys(cfg: DictConfig, task_module) -> None:
-    """A `task.load.<key>` the task's `load()` does not name would be swallowed by its `**_`: refused
-    instead."""
-    import inspect
-
-    params = inspect.signature(task_module.load).parameters.values()
-    known = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - RUNNER_LOAD_KEYS
-    unknown = sorted(set(cfg.task.get("load") or {}) - known)
-    if unknown:
-        raise ConfigError(
-            f"task {cfg.task.name}: unknown setting(s) {', '.join('task.load.' + k for k in unknown)}; "
-            f"its load settings: {', '.join(sorted(known))}"
-        )
-
-
-def check_budget(plans: list[Plan], context: int) -> None:
-    """A budget above the model's context keeps nothing more than the full cache, yet the static cache would
-    be allocated at that size (tens of GB at a typo's budget): refused before the model loads."""
-    for p in plans:
-        budget = p.method.budget  # None for full
-        if budget is not None and budget > context:
-            raise ConfigError(
-                f"method.budget={budget} is above {p.cfg.model.name}'s context of {context} tokens: no "
-                f"prompt can fill it. Choose a budget below {context}, or METHOD=full for the uncompressed "
-                "cache"
-            )
-
-
-def has_followup(cfg: DictConfig) -> bool:
-    """The task's lm-eval YAML asks a second call after each first one (`evalkit_followup`: LongBench-v2
-    CoT's answer call)."""
-    for path in TASKS_DIR.glob("*/*.yaml"):
-        text = path.read_text()
-        if re.search(rf"^task:\s*{re.escape(cfg.task.lm_eval_task)}\s*$", text, re.M):
-            return "evalkit_followup:" in text
-    return False
-
-
-def check_decode_eviction(plans: list[Plan], model_cfg) -> None:
-    """What a decode-time eviction method (h2o, snapkv_decode: its slot pool holds rows of its own kind)
-    cannot run with, refused before the model loads."""
-    for p in plans:
-        name, kind = p.method.name, p.method.evict
-        if kind is None:
-            continue
-        mla = getattr(model_cfg.get_text_config(), "kv_lora_rank", None) is not None
-        if kind == "refit" and mla:
-            raise ConfigError(
-                f"method {name} re-scores the cached keys, but {p.cfg.model.name} caches MLA's latent (keys "
-                "are rebuilt from it inside attention): use h2o, snapkv or snapstream"
-            )
-        if mla and p.cfg.compile and parallel.LAYOUT.tp > 1:
-            raise ConfigError(
-                f"method {name} with compile=true under tensor parallelism on an MLA model: every step's "
-                "eviction is broadcast from the TP root, which the compiled step cannot hold. Set "
-                "compile=false, or run one process"
-            )
-        if has_followup(p.cfg):
-            raise ConfigError(
-                f"task {p.cfg.task.name} asks a second call on the full cache after each first one, which a "
-                f"{name} slot pool cannot hold beside its rows: use method snapkv or snapstream, or "
-                "task=longbench_v2"
-            )
-
-
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def plans_for(cfg: DictConfig) -> list[Plan]:
@@ -265,6 +111,17 @@ def plans_for(cfg: DictConfig) -> list[Plan]:
         q = plan(OmegaConf.merge(cfg, {"method": {"budget": b}}))
         out.setdefault(q.out, q)  # `full` ignores budgets: one run
     return list(out.values())
+
+
+def read_model(plans: list[Plan]) -> int:
+    """The model's context, from its config (no weights), with the plans checked against that config."""
+    from evalkit.models import context_length, model_config, resolve_source
+
+    spec = plans[0].spec
+    model_cfg = model_config(spec, resolve_source(spec))
+    context = context_length(spec, model_cfg)
+    checks.check_model(plans, model_cfg, context)
+    return context
 
 
 # --- data and what each folder holds ---------------------------------------------------------------------
@@ -306,10 +163,19 @@ def open_journal(p: Plan, path: Path) -> Journal:
     return journal
 
 
-def missing(p: Plan, loaded) -> int:
-    """Requests of this run not in its journal yet (0: scoring needs no model)."""
-    keys = request_keys(p.cfg.task.lm_eval_task, len(evaluated(p, loaded)), int(p.cfg.task.repeats))
-    return sum(k not in p.journal.records for k in keys)
+def open_runs(plans: list[Plan], loaded) -> None:
+    """Each plan's state (from the writer's reading of its folder) and journal, and what it still needs."""
+    writer = parallel.LAYOUT.writer
+    states = parallel.from_writer([classify(p, loaded) for p in plans] if writer else None)
+    for p, state in zip(plans, states):
+        p.state = state
+    parallel.open_journals(plans, open_journal)  # each replica's shard; TP peers: their root's records
+    for p in plans:
+        if p.state != "done":
+            keys = request_keys(p.cfg.task.lm_eval_task, len(evaluated(p, loaded)), int(p.cfg.task.repeats))
+            p.left = sum(k not in p.journal.records for k in keys)
+    if writer:
+        announce(plans, loaded, len(evaluated(plans[0], loaded)), {p.out: p.left for p in plans})
 
 
 # --- generation ------------------------------------------------------------------------------------------
@@ -328,10 +194,7 @@ def generate(plans: list[Plan], load_kwargs: dict, context: int) -> None:
     Every budget after the first replays the first's prefills. The LM is made (the weights loaded, or the
     server checked) before any config.yaml is written."""
     p = plans[0]
-    lm = p.spec.make_lm(
-        plans, context, lambda spec: get_model(spec)
-    )  # get_model looked up now: tests patch it
-    ask_later(lm, p)
+    lm = p.spec.make_lm(plans, context, lambda spec: get_model(spec))  # looked up now: tests patch it
     for q in plans if parallel.LAYOUT.writer else ():
         atomic_write(q.out / "config.yaml", config_yaml(q.cfg))
     lm_eval_generate(p, lm, load_kwargs)
@@ -340,11 +203,13 @@ def generate(plans: list[Plan], load_kwargs: dict, context: int) -> None:
 def lm_eval_generate(p: Plan, lm, load_kwargs: dict) -> None:
     """Run the task's lm-eval YAML with the evalkit model in lm-eval's predict-only mode: lm-eval builds and
     issues the requests (templates, generation settings, repeats); scoring happens afterwards, from the
-    journal."""
+    journal. The task's metadata is what its `load` got, and the run's query_aware: the task's hooks put
+    where each question starts on its doc (evalkit.task.lm_eval_hooks)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=load_kwargs)
+    metadata = load_kwargs if p.cfg.get("query_aware", True) else {**load_kwargs, "query_aware": False}
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)
     tasks = get_task_dict([p.cfg.task.lm_eval_task], manager)
     for task in tasks.values():
         task.config.repeats = int(p.cfg.task.repeats)
@@ -372,6 +237,21 @@ def configure_task(p: Plan) -> dict | None:
 
 
 # --- scoring ---------------------------------------------------------------------------------------------
+def score_all(plans: list[Plan], loaded, setup: dict | None, context: int) -> None:
+    """The writer, once every replica has journaled its share: each unfinished run's shards folded into its
+    journal, then scored from it."""
+    from evalkit.models import tokenizer_path
+    from evalkit.task import get_tokenizer
+
+    for p in plans:
+        if p.state == "done":
+            continue
+        parallel.fold_shards(p.journal)
+        if p.state in SAYS:
+            print(f"evalkit: {p.out}: {SAYS[p.state]}")
+        score(p, loaded, setup, context, get_tokenizer(tokenizer_path(p.spec)))
+
+
 def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
     """Score every sample from the journal with the task's scorer; write samples.jsonl and metrics.json."""
     from evalkit.models import model_config, resolve_source
@@ -382,7 +262,7 @@ def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
     keys = request_keys(task, len(samples), k)
     now = sum(key in p.journal.generated_keys for key in keys)  # what this process really generated
     counts = {"from_journal": len(keys) - now, "generated_now": now}  # resumed, or a re-score
-    check_headline(p, rows)
+    check_scored_headline(p, rows)
     metrics = summarize(p, loaded, rows, model_config(p.spec, resolve_source(p.spec)), context, counts)
     metrics.task_setup = setup
     metrics.extra.update(p.spec.extra_metrics(p.out))
@@ -392,9 +272,10 @@ def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer) -> None:
     metrics_record.write(p.out / "metrics.json", metrics)
 
 
-def check_headline(p: Plan, rows: list[dict]) -> None:
-    """The headline must name one of the task's metrics. Known only once a sample is scored; the journal holds
-    every generation, so the corrected command re-scores without the model."""
+def check_scored_headline(p: Plan, rows: list[dict]) -> None:
+    """A breakdown headline (`score/<subset>`) that no sample scored: known only once the samples are scored
+    (the metric itself was checked before loading); the journal holds every generation, so the corrected
+    command re-scores without the model."""
     names = {k for r in rows for k in r["scores"]}
     if rows and p.cfg.task.headline not in names:
         top = sorted(k for k in names if "/" not in k)  # breakdowns (`score/vt`) are valid too, not listed
@@ -405,65 +286,48 @@ def check_headline(p: Plan, rows: list[dict]) -> None:
         )
 
 
+def finish(plans: list[Plan]) -> list[dict]:
+    """Each run's table, and the next step to a verdict."""
+    out = []
+    for p in plans:
+        if p.state == "done":
+            print(f"evalkit: {p.out} is complete; skipping (delete it to rerun)")
+        out.append(json.loads((p.out / "metrics.json").read_text()))
+        print_table(metrics_record.Metrics.from_json(out[-1]))
+    next_step(plans)
+    return out
+
+
 # --- the recipe ------------------------------------------------------------------------------------------
 def run(cfg: DictConfig) -> list[dict]:
-    from evalkit.models import context_length, model_config, resolve_source, tokenizer_path
-    from evalkit.task import get_tokenizer
+    from evalkit.models import tokenizer_path
 
-    plans = plans_for(cfg)
+    plans = plans_for(cfg)  # every setting checked: no data, no model
     writer = parallel.LAYOUT.writer  # one writer: only rank 0 reads or writes the run folders
     for p in plans if writer else ():
         check_folder(p.out, p.cfg)
         check_writable(p.out)
-    spec = plans[0].spec
-    parallel.check_model(spec)
-    model_cfg = model_config(spec, resolve_source(spec))
-    context = context_length(spec, model_cfg)
-    check_budget(plans, context)
-    check_decode_eviction(plans, model_cfg)
-    loaded, load_kwargs = load_data(plans[0], tokenizer_path(spec), context)  # before any model loads
+    context = read_model(plans)  # its config checked against the plans: still no weights
+    loaded, load_kwargs = load_data(plans[0], tokenizer_path(plans[0].spec), context)
     setup = configure_task(plans[0]) if writer else None
     locks = [RunLock(p.out) for p in plans] if writer else []
     try:
         for lock in locks:
             lock.acquire()
-        states = parallel.from_writer([classify(p, loaded) for p in plans] if writer else None)
-        for p, state in zip(plans, states):
-            p.state = state
-        parallel.open_journals(plans, open_journal)  # each replica's shard; TP peers: their root's records
-        left = {p.out: missing(p, loaded) for p in plans if p.state != "done"}
-        if writer:
-            announce(plans, loaded, len(evaluated(plans[0], loaded)), left)
-        todo = [p for p in plans if left.get(p.out)]
-        if todo:
+        open_runs(plans, loaded)
+        if todo := [p for p in plans if p.left]:
             generate(todo, load_kwargs, context)
         parallel.barrier()  # every replica has journaled its share
         parallel.gather_kv()
-        if not writer:
-            return []
-        for p in plans:
-            if p.state != "done":
-                parallel.fold_shards(p.journal)
-            if p.state == "rebuild":
-                print(f"evalkit: {p.out}: samples.jsonl is missing; rebuilding it from its journal")
-            if p.state == "rescore":
-                print(f"evalkit: {p.out}: scorer or grading settings changed; re-scoring from its journal")
-            if p.state != "done":
-                score(p, loaded, setup, context, get_tokenizer(tokenizer_path(spec)))
+        if writer:
+            score_all(plans, loaded, setup, context)
     finally:
         for p in plans:
             if p.journal is not None:
                 p.journal.close()
         for lock in locks:
             lock.release()
-    all_metrics = []
-    for p in plans:
-        if p.state == "done":
-            print(f"evalkit: {p.out} is complete; skipping (delete it to rerun)")
-        all_metrics.append(json.loads((p.out / "metrics.json").read_text()))
-        print_table(metrics_record.Metrics.from_json(all_metrics[-1]))
-    next_step(plans)
-    return all_metrics
+    return finish(plans) if writer else []
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="eval", version_base="1.3")

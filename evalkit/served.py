@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -39,7 +39,7 @@ from omegaconf import OmegaConf
 
 from evalkit.config import ConfigError
 from evalkit.journal import journal_record, journaled, keyed
-from evalkit.models import ModelSpec, tokenizer_path
+from evalkit.models import ModelSpec, RunNeeds, tokenizer_path
 from evalkit.request import (
     Prompt,
     finish_text,
@@ -73,13 +73,24 @@ class ServedSpec(ModelSpec):
     extra_body: dict = field(default_factory=dict)
     dtype: str | None = None  # what the server computes in is its own business
 
-    def check(self, method_name: str) -> None:
-        """Refuse a bad served conf before any data or request (ConfigError naming the setting), and resolve
-        `tokenizer` to the files it names."""
-        if method_name != "full":
+    def check(self, needs: RunNeeds) -> None:
+        """Refuse what a server cannot run and a bad served conf before any data or request (ConfigError
+        naming the setting), and resolve `tokenizer` to the files it names. query_aware=false runs: a full
+        cache is query-agnostic by nature, so its prompts go as they are (the same outputs)."""
+        if needs.multi_question:
+            raise ConfigError(
+                f"multi_question=true: model {self.name} is served (a served cache is not held between "
+                "requests): run it in process"
+            )
+        if needs.method != "full":
             raise ConfigError(
                 "a served model keeps the server's own full cache: use method=full (got "
-                f"method={method_name})"
+                f"method={needs.method})"
+            )
+        if needs.processes > 1:
+            raise ConfigError(
+                f"model {self.name} is served at {self.base_url}: its server does the parallel work; run it "
+                f"with NPROC=1 (this run started {needs.processes} processes)"
             )
         url = urlsplit(self.base_url or "")
         if url.scheme not in ("http", "https") or not url.netloc or url.query or url.fragment:
@@ -256,7 +267,8 @@ class _Served:
     async def _call(self, session, p: Prompt) -> tuple[str, dict]:
         """POST one prompt: (text as the scorer sees it, the journal's stats: tokens, finish reason,
         latency)."""
-        ids, truncated = fit_prompt(self.prompt_tokenizer, p, self.context)  # may lower p.max_new
+        ids, truncated, max_new = fit_prompt(self.prompt_tokenizer, p, self.context)
+        p = replace(p, max_new=max_new)  # a generation capped by the model context
         if truncated and self.spec.api == "chat":
             raise _Final(
                 f"{len(ids)}-token cut of a prompt longer than the context: only api=completions can cut it"
