@@ -145,8 +145,6 @@ def has_followup(cfg: DictConfig, module) -> bool:
 def check_backend(cfg: DictConfig, spec, method_name: str) -> None:
     """What the model backend cannot do with this run, refused by the backend itself (a served model: method
     full, one process, one question per request; a model conf's own single-turn template: no next turn)."""
-    from evalkit.models import RunNeeds
-
     spec.check(
         RunNeeds(
             method=method_name,
@@ -156,6 +154,17 @@ def check_backend(cfg: DictConfig, spec, method_name: str) -> None:
             processes=parallel.LAYOUT.world,
         )
     )
+
+
+@dataclass(frozen=True)
+class RunNeeds:
+    """What a run asks of its model backend, refused by `ModelBackend.check` when the backend cannot do it."""
+
+    method: str  # the method's conf name
+    task: str
+    query_aware: bool = True  # false: the context compressed before the question
+    multi_question: bool = False  # a context's questions asked one after another on one cache
+    processes: int = 1  # the run's world size (parallel.tp_size x parallel.dp_size)
 
 
 # --- once the model's config is read: no weights ----------------------------------------------------------
@@ -225,21 +234,24 @@ def check_tp(model_name: str, model_cfg, tp: int) -> None:
     )
 
 
+def run_facts(model_name: str, model_cfg, compile: bool, followup: bool) -> RunFacts:
+    mla = getattr(model_cfg.get_text_config(), "kv_lora_rank", None) is not None
+    return RunFacts(model_name, mla, followup, bool(compile), parallel.LAYOUT.tp)
+
+
+def check_methods(methods: list, facts: RunFacts) -> None:
+    for method in methods:
+        if (why := method_refusal(method, facts)) is not None:
+            raise ConfigError(why)
+
+
 def check_model(plans: list, model_cfg, context: int) -> None:
     """Once the model's config is read: each plan's budget, the TP layout, what each method refuses."""
     p = plans[0]
     check_budget(plans, context)
     check_tp(p.cfg.model.name, model_cfg, parallel.LAYOUT.tp)
-    facts = RunFacts(
-        model_name=p.cfg.model.name,
-        mla=getattr(model_cfg.get_text_config(), "kv_lora_rank", None) is not None,
-        followup=has_followup(p.cfg, p.task_module),
-        compile=bool(p.cfg.compile),
-        tp=parallel.LAYOUT.tp,
-    )
-    for q in plans:
-        if (why := method_refusal(q.method, facts)) is not None:
-            raise ConfigError(why)
+    facts = run_facts(p.cfg.model.name, model_cfg, p.cfg.compile, has_followup(p.cfg, p.task_module))
+    check_methods([q.method for q in plans], facts)
 
 
 # --- lm_eval --model evalkit --------------------------------------------------------------------------------
@@ -253,7 +265,4 @@ def check_lm(spec, method, compile: bool, query_aware, multi_question) -> None:
         raise ConfigError(why)
     model_cfg = model_config(spec, resolve_source(spec))
     check_tp(spec.name, model_cfg, parallel.LAYOUT.tp)
-    mla = getattr(model_cfg.get_text_config(), "kv_lora_rank", None) is not None
-    facts = RunFacts(spec.name, mla, followup=False, compile=compile, tp=parallel.LAYOUT.tp)
-    if (why := method_refusal(method, facts)) is not None:
-        raise ConfigError(why)
+    check_methods([method], run_facts(spec.name, model_cfg, compile, followup=False))

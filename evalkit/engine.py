@@ -67,8 +67,8 @@ class Turn:
 
 @dataclass(frozen=True)
 class Followup:
-    """A second call on a fresh cache: `build(done)` makes its conversation from the previous turn's answer
-    (a two-call protocol; it runs next, ahead of the waiting conversations)."""
+    """A second call on a fresh cache, a conversation's last turn: `build(done)` makes its conversation from
+    the previous turn's answer (a two-call protocol; it runs next, ahead of the waiting conversations)."""
 
     build: Callable[[Done], Conversation]
 
@@ -289,10 +289,8 @@ class Engine:
         if not row.rest:
             return None
         nxt, rest = row.rest[0], row.rest[1:]
-        if isinstance(nxt, Followup):
-            follow = nxt.build(done)
-            follow.turns = [*follow.turns, *rest]
-            inbox.put(follow, first=True)
+        if isinstance(nxt, Followup):  # the conversation's last turn (`_need`)
+            inbox.put(nxt.build(done), first=True)
             return None
         new = self._new_row(row.key, nxt, rest, prompt_tokens=len(nxt.forced))
         new.forced.extendleft([] if row.tokens[-1] in self.eos else [row.tokens[-1]])
@@ -422,6 +420,8 @@ class Engine:
             raise ValueError(
                 "a conversation's every turn feeds its question (forced tokens) before it answers"
             )
+        if any(isinstance(t, Followup) for t in conv.turns[:-1]):
+            raise ValueError("a follow-up call is a conversation's last turn (it runs on a cache of its own)")
         return slots_needed(conv.method, len(conv.ids), fed_tokens(conv))
 
     def _keep_last(self) -> dict:

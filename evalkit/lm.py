@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from evalkit import parallel
+from evalkit.checks import check_methods, run_facts
 from evalkit.conversation import Budget, Encoder, conversations, grouped
 from evalkit.engine import Turn
 from evalkit.journal import journal_record, keyed
@@ -97,6 +98,10 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         from evalkit.engine import Engine
 
         prompts = [(i, self._prompt(req, key)) for i, (req, key) in enumerate(zip(requests, keyed(requests)))]
+        # lm-eval's CLI knows the task only now: what a method cannot run with it, refused before generating
+        if any(p.followup for _, p in prompts):
+            facts = run_facts(self.spec.name, self.model.config, self.compile, followup=True)
+            check_methods([b.method for b in self.budgets()], facts)
         # DP: another replica's request is answered by its journal ("" here; scoring reads journals);
         # a conversation stays whole on the replica that owns its first question
         groups = [g for g in grouped(prompts) if parallel.owns(g[0][0])]

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from evalkit.loading import load_model, random_model  # noqa: F401  re-exported for their callers
 from evalkit.sources import (  # noqa: F401  where a model's files come from: re-exported for their callers
@@ -27,16 +27,8 @@ from evalkit.sources import (  # noqa: F401  where a model's files come from: re
     tokenizer_source,
 )
 
-
-@dataclass(frozen=True)
-class RunNeeds:
-    """What a run asks of its model backend, refused by `ModelBackend.check` when the backend cannot do it."""
-
-    method: str  # the method's conf name
-    task: str
-    query_aware: bool = True  # false: the context compressed before the question
-    multi_question: bool = False  # a context's questions asked one after another on one cache
-    processes: int = 1  # the run's world size (parallel.tp_size x parallel.dp_size)
+if TYPE_CHECKING:
+    from evalkit.checks import RunNeeds
 
 
 class ModelBackend(Protocol):

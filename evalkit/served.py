@@ -31,6 +31,7 @@ import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -39,7 +40,7 @@ from omegaconf import OmegaConf
 
 from evalkit.config import ConfigError
 from evalkit.journal import journal_record, journaled, keyed
-from evalkit.models import ModelSpec, RunNeeds, tokenizer_path
+from evalkit.models import ModelSpec, tokenizer_path
 from evalkit.request import (
     Prompt,
     finish_text,
@@ -53,6 +54,9 @@ from evalkit.request import (
 )
 from evalkit.sample import TEMPLATE_KEY
 from evalkit.server import ServedError, pin_server, provenance, server_report
+
+if TYPE_CHECKING:
+    from evalkit.checks import RunNeeds
 
 APIS = ("completions", "chat")
 # /models entry fields that identify what is served (others, like `created`, change on every call)

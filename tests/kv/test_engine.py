@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from evalkit.engine import Engine, ask
+from evalkit.engine import Engine, Inbox, ask
 from evalkit.kv import Full, KVCache, SnapKV, SnapStream, StreamingLLM, generate
 from evalkit.kv.prefill import PrefillRecord
 from evalkit.request import generation_config
@@ -273,3 +273,26 @@ def test_a_pools_row_figures_are_each_requests_own():
             for cache in alone:
                 model(token, cache=cache)
     assert pool.row_stats() == [c.row_stats()[0] for c in alone]
+
+
+def test_a_conversation_put_while_the_engine_decodes_takes_a_free_row_and_decodes_as_alone():
+    """The engine takes conversations from its inbox between decode steps: one that arrives while others
+    decode (as a server's requests would) takes the next free row and decodes as it would alone."""
+    model = tiny_model("llama", seed=3)
+    ids = prompts()
+    method = SnapStream(budget=64, recent=16, window=8)
+    inbox = Inbox(
+        [
+            ask("long", ids[0], NEW, method, settings(False), 0),
+            ask("short", ids[1], 6, method, settings(False, 6), 1),
+        ]
+    )
+    engine = Engine(model, Tok(), [0], rows=2)
+    got = {}
+    for done in engine.run(inbox):
+        got[done.key] = done
+        if done.key == "short":  # "long" is mid-decode: the new one takes the row "short" left
+            inbox.put(ask("late", ids[2], 8, method, settings(False, 8), 2))
+    assert got["late"].tokens == alone(model, ids[2], method, False, 2, new=8)
+    assert got["long"].tokens == alone(model, ids[0], method, False, 0)
+    assert engine.steps < NEW + 8  # "late" decoded beside "long", not after it

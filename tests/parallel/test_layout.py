@@ -118,7 +118,7 @@ def test_the_layout_is_no_part_of_a_runs_identity():
 
 
 def test_a_served_model_is_refused_under_several_processes(monkeypatch):
-    from evalkit.models import RunNeeds
+    from evalkit.checks import RunNeeds
     from evalkit.served import ServedSpec
 
     spec = ServedSpec(name="served", base_url="http://127.0.0.1:8000/v1", tokenizer="smollm2_135m")
