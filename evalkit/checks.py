@@ -256,13 +256,12 @@ def check_model(plans: list, model_cfg, context: int) -> None:
 
 # --- lm_eval --model evalkit --------------------------------------------------------------------------------
 def check_lm(spec, method, compile: bool, query_aware, multi_question) -> None:
-    """`lm_eval --model evalkit`'s own settings, before its weights load: the run settings in --model_args,
-    the TP layout and what the method refuses on this model (the task's follow-up call is known only when its
-    requests come, and refused then)."""
+    """`lm_eval --model evalkit`'s own settings, before its weights load: the run settings in --model_args and
+    what the method refuses on this model (lm-eval's CLI runs one process; the task's follow-up call is known
+    only when its requests come, and refused then)."""
     from evalkit.sources import model_config, resolve_source
 
     if (why := run_setting_problem(query_aware, multi_question)) is not None:
         raise ConfigError(why)
     model_cfg = model_config(spec, resolve_source(spec))
-    check_tp(spec.name, model_cfg, parallel.LAYOUT.tp)
     check_methods([method], run_facts(spec.name, model_cfg, compile, followup=False))

@@ -138,8 +138,7 @@ def conversations(
     out, texts = [], {}
     for group in groups:
         multi = any("conversation" in (p.sample.meta if p.sample else {}) for _, p in group)
-        convs = _dialogue(group, budgets, enc, texts) if multi else _single(*group[0], budgets, enc, texts)
-        out += convs
+        out += _dialogue(group, budgets, enc, texts) if multi else _single(*group[0], budgets, enc, texts)
     return out, texts
 
 
@@ -184,7 +183,9 @@ def _followup(first: Done, ask: Ask, enc: Encoder) -> Conversation:
     return Conversation(second.key, ids, Full(), [enc.turn(second, max_new, tag)])  # the request's seed
 
 
-def _dialogue(group: list[tuple[int, Prompt]], budgets: list[Budget], enc: Encoder, texts: dict) -> list:
+def _dialogue(
+    group: list[tuple[int, Prompt]], budgets: list[Budget], enc: Encoder, texts: dict
+) -> list[Conversation]:
     """One multi-question conversation for each budget not finished: its context prefilled once (other
     budgets replay it), then each question fed and answered in turn on that cache; a journaled answer is fed
     back as it stood in the cache (`Turn.answer`), not asked again."""

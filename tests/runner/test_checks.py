@@ -86,6 +86,23 @@ def test_the_tasks_metadata_settings_reach_the_docs_or_are_refused(monkeypatch):
     assert prompt.text == EvalkitLM._prompt(lm, SimpleNamespace(args=("", {}), doc=aware), "k").text
 
 
+def test_a_method_a_tasks_second_call_cannot_run_beside_is_refused_before_generating(monkeypatch):
+    """Through lm-eval's CLI the task is known only when its requests come: h2o on LongBench-v2 CoT (a
+    second, full-cache call per request) is refused then, before anything is generated."""
+    import tasks.longbench_v2.longbench_v2 as lb
+    from evalkit.config import model_spec
+    from evalkit.engine import Engine
+    from evalkit.models import load_model
+
+    model, tokenizer = load_model(model_spec("tiny_llama"))
+    monkeypatch.setattr(Engine, "_prefill", lambda *a, **k: pytest.fail("generation started"))
+    lm = EvalkitLM(model="tiny_llama", method="h2o", budget=128, hf_model=model, tokenizer=tokenizer)
+    doc = lb.custom_dataset(mode="cot", n=1)["test"][0]
+    req = SimpleNamespace(args=("", {"max_gen_toks": 4}), doc=doc, task_name="t", doc_id=0, idx=0)
+    with pytest.raises(ConfigError, match="second call on the full cache after each first one, which a h2o"):
+        lm.generate_until([req], disable_tqdm=True)
+
+
 # --- 13: the printed next step ------------------------------------------------------------------------------
 def printed(monkeypatch, capsys, tmp_path, overrides: list[str], method="snapstream") -> list[str]:
     """The `make` commands `next_step` prints after a run given these command-line overrides."""
