@@ -1,18 +1,24 @@
-"""Continuous batching over evalkit's compressed caches: a queue of requests, a fixed pool of rows, refill on
+"""Continuous batching over evalkit's compressed caches: conversations in, a fixed pool of rows, refill on
 finish.
 
-Each request is prefilled alone (its own compressed cache, or replayed from another budget's recorded prefill,
-`evalkit.kv.prefill`), then copied into a free row of one static slot pool (`evalkit.kv.pool.SlotPool`): every
-row keeps its own method, budget, ring and positions, so rows of different budgets of one prompt decode side
-by side, and a row that finishes (EOS, a stop string, its token limit) takes the next request at once instead
-of idling until the longest row of a static batch ends. Token choice is transformers' own (float32 logits, the
-temperature / top-k / top-p warpers, softmax, multinomial), with one random generator per request seeded from
-its key: a request samples the same whatever row, batch or moment it lands in, and a resumed run samples what
-the killed one would.
+A `Conversation` is what is fed after a prompt, and the only way to feed it: its context ids are prefilled
+alone (their own compressed cache, or replayed from another budget's recorded prefill, `evalkit.kv.prefill`),
+then copied into a free row of one static slot pool (`evalkit.kv.pool.SlotPool`), where its `Turn`s run one
+after another on that cache: each feeds its forced tokens (a question and its markup) teacher-forced, one per
+decode step, then generates its answer (EOS, a stop string, its token limit). A `Followup` turn is a second
+call on a fresh cache whose prompt is built from the previous answer (LongBench CoT's answer call). Every row
+keeps its own method, budget, ring and positions, so rows of different budgets of one prompt decode side by
+side, and a row whose conversation ends takes the next one at once instead of idling until the longest row of
+a static batch ends. Token choice is transformers' own (float32 logits, the temperature / top-k / top-p
+warpers, softmax, multinomial), with one random generator per turn seeded from its key: a turn samples the
+same whatever row, batch or moment it lands in, and a resumed run samples what the killed one would.
 
-    engine = Engine(model, eos_ids=[2], rows=8)
-    for done in engine.run(requests):   # in completion order
-        journal(done.request, done.tokens, done.stats)
+    engine = Engine(model, tokenizer, eos_ids=[2], rows=8)
+    for done in engine.run(conversations):   # one Done per generated turn, in completion order
+        journal(done.key, done.tag, done.tokens, done.stats)
+
+`run` takes conversations from an `Inbox` between decode steps (a list becomes one): what arrives while
+others decode takes the next free row.
 """
 
 from __future__ import annotations
@@ -40,67 +46,125 @@ from evalkit.kv.static import compile_config
 from evalkit.team import Team
 
 
-@dataclass(eq=False)
-class Request:
-    key: str
-    ids: list[int]  # prompt tokens (already fitted to the context)
+# --- what the engine runs -----------------------------------------------------------------------------------
+@dataclass
+class Turn:
+    """One answer of a conversation on its cache: `forced` fed teacher-forced first (query_aware=false: the
+    question and answer prefix; a later question: its chat markup too), then up to `max_new` tokens
+    generated. `answer`: a turn answered before (a resumed conversation), fed back as the cache held it and
+    not generated again (no Done)."""
+
     max_new: int
-    method: object
-    config: GenerationConfig  # do_sample, temperature, top_k, top_p (lm.generation_config)
-    seed: int  # this request's own sampling seed
+    config: GenerationConfig  # do_sample, temperature, top_k, top_p (request.generation_config)
+    seed: int  # this turn's own sampling seed
+    forced: list[int] = field(default_factory=list)
     until: list[str] = field(default_factory=list)  # stop strings (lm-eval's `until`)
-    record: PrefillRecord | None = None  # keep this prefill for the requests that replay it
-    replay: PrefillRecord | None = None  # take the prefill from this record instead of running it
-    tag: object = None  # the caller's
-    replayed: bool = False  # set at prefill: the prefill came from a record
     min_new: int = 0  # EOS is suppressed until this many tokens (transformers' min_new_tokens)
     keep_logits: bool = False  # keep each step's raw float32 logits (transformers' output_logits)
-    # fed after the prefill as decoded tokens are, before anything is generated (query_aware=false: the
-    # question and answer prefix, on the compressed context); teacher-forced, one token per step
-    forced: list[int] = field(default_factory=list)
-    # the next questions of a conversation on this request's cache (multi_question), each with its own
-    # `forced` (the turn's markup, question and answer prefix), limits, seed and tag; only `ids` is unused.
-    # A turn's answer stays in the cache: its last token, unless an EOS, is fed before the next turn's
-    turns: list[Request] = field(default_factory=list)
+    tag: object = None  # the caller's, handed back with its Done
+    answer: list[int] | None = None  # answered before: its tokens as they stand in the cache (no final EOS)
 
 
-def fed_tokens(req: Request) -> int:
-    """Tokens a request writes into its cache after the prefill, at most: its forced and generated ones, and
-    each later turn's (with the previous answer's last token, fed back)."""
-    return req.max_new + len(req.forced) + sum(t.max_new + len(t.forced) + 1 for t in req.turns)
+@dataclass(frozen=True)
+class Followup:
+    """A second call on a fresh cache, a conversation's last turn: `build(done)` makes its conversation from
+    the previous turn's answer (a two-call protocol; it runs next, ahead of the waiting conversations)."""
+
+    build: Callable[[Done], Conversation]
+
+
+@dataclass(eq=False)
+class Conversation:
+    """Context `ids` (already fitted to the model context) prefilled with `method`, then its turns in order.
+    `record`: keep this prefill for the conversations that `replay` it (a prompt's other budgets); the engine
+    drops both references once prefilled, so a record lives only until its last budget is in."""
+
+    key: str
+    ids: list[int]
+    method: object
+    turns: list[Turn | Followup]
+    record: PrefillRecord | None = None
+    replay: PrefillRecord | None = None
+
+
+def ask(key: str, ids: list[int], max_new: int, method, config, seed: int, **turn) -> Conversation:
+    """A one-turn conversation: the prompt, then its answer (`turn`: the Turn's other fields; `record` /
+    `replay`: the conversation's)."""
+    shared = {k: turn.pop(k) for k in ("record", "replay") if k in turn}
+    return Conversation(key, ids, method, [Turn(max_new, config, seed, **turn)], **shared)
+
+
+def fed_tokens(conv: Conversation) -> int:
+    """Tokens a conversation writes into its cache after the prefill, at most: each turn's forced and
+    generated ones (an answered turn's answer), and before each later turn the previous answer's last
+    token, fed back."""
+    turns = [t for t in conv.turns if isinstance(t, Turn)]
+    answered = [t for t in turns if t.answer is not None]
+    asked = [t for t in turns if t.answer is None]
+    fed = sum(len(t.forced) + len(t.answer) for t in answered)
+    return fed + sum(t.max_new + len(t.forced) for t in asked) + max(len(asked) - 1, 0)
+
+
+class Inbox:
+    """Conversations waiting for a row, taken between decode steps. `Engine.run` makes one of a list; a
+    caller that keeps its own can `put` more while the engine decodes (they take the next free rows)."""
+
+    def __init__(self, conversations: Iterable[Conversation] = ()):
+        self._waiting = deque(conversations)
+
+    def put(self, conv: Conversation, first: bool = False) -> None:
+        (self._waiting.appendleft if first else self._waiting.append)(conv)
+
+    def take(self) -> Conversation:
+        return self._waiting.popleft()
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
+    def __iter__(self) -> Iterator[Conversation]:
+        return iter(self._waiting)
 
 
 @dataclass
 class Done:
-    request: Request
+    key: str  # the conversation's
+    turn: Turn
     tokens: list[int]  # generated, the EOS included when it ended there
     ended: str  # "eos", "stop" or "limit"
     stats: dict  # the row's KV figures, timing
-    logits: list[torch.Tensor] | None = None  # (V,) float32 per generated token, when the request kept them
+    logits: list[torch.Tensor] | None = None  # (V,) float32 per generated token, when the turn kept them
+
+    @property
+    def tag(self):
+        return self.turn.tag
 
 
 @dataclass(eq=False)
 class _Row:
-    request: Request
+    key: str
+    turn: Turn
+    rest: list  # the conversation's turns after this one
     tokens: list[int]
     stops: list  # lm-eval's MultiTokenEOSCriteria, one per stop string
     generator: torch.Generator | None
     warpers: LogitsProcessorList
-    prefill_s: float
-    share_s: float = 0.0  # this row's share of the decode steps' wall time
-    logits: list[torch.Tensor] | None = None  # kept raw logits, (V,) each
-    forced: deque = field(default_factory=deque)  # forced tokens still to feed (the request's `forced`)
     # tokens in the cache before this answer (a conversation's later turn: the context, the earlier turns and
     # its own question), and of them the ones the prefill compressed (the conversation's context)
-    before: int = 0
-    prefill: int = 0
+    before: int
+    prefill: int
+    prefill_s: float = 0.0
+    replayed: bool = False  # the prefill came from a record
+    share_s: float = 0.0  # this row's share of the decode steps' wall time
+    logits: list[torch.Tensor] | None = None  # kept raw logits, (V,) each
+    forced: deque = field(default_factory=deque)  # forced tokens still to feed
 
 
 class Engine:
-    """Decode many requests through one pool of `rows` rows. `continuous=False` is static batching (a batch is
-    refilled only when all its rows are done), kept for comparison. `compile=True` compiles the decode step
-    once per (rows, slots) shape (`evalkit.kv.static.compile_config`). Under tensor parallelism every rank of
-    `team`'s TP group runs the same requests and takes its root's decisions (logits, replicated kept sets)."""
+    """Decode many conversations through one pool of `rows` rows. `continuous=False` is static batching (a
+    batch is refilled only when all its rows are done), kept for comparison. `compile=True` compiles the
+    decode step once per (rows, slots) shape (`evalkit.kv.static.compile_config`). Under tensor parallelism
+    every rank of `team`'s TP group runs the same conversations and takes its root's decisions (logits,
+    replicated kept sets)."""
 
     def __init__(
         self,
@@ -126,9 +190,10 @@ class Engine:
                 cfg = compile_config(model, backend="inductor" if compile is True else compile)
             self.step_fn = model.get_compiled_call(cfg)
         self.pool: SlotPool | None = None
+        self.capacity = 1
         self.steps = 0
         self.row_steps = 0  # rows x steps decoded
-        self.idle_row_steps = 0  # of them, rows holding no request
+        self.idle_row_steps = 0  # of them, rows holding no conversation
         self.generated = 0
         self.started = 0.0
         # the progress bar's rates: prefill and decode apart (a prefill of 2k tokens is not slow decoding)
@@ -141,53 +206,46 @@ class Engine:
 
     # --- the loop -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(
-        self, requests: Iterable[Request], then: Callable[[Done], Request | None] | None = None
-    ) -> Iterator[Done]:
-        """Every request's generation, in completion order. `then(done)` may return a follow-up request (a
-        two-call protocol), which runs next, ahead of the queue."""
-        queue = deque(requests)
-        del requests  # the queue alone holds requests (and their prefill records) until they run
-        self.capacity = max((self._need(r) for r in queue), default=1)
+    def run(self, conversations: Iterable[Conversation] | Inbox) -> Iterator[Done]:
+        """Every generated turn's Done, in completion order. Conversations are taken from the inbox whenever
+        a row is free (between decode steps); a follow-up call goes ahead of the waiting ones."""
+        inbox = conversations if isinstance(conversations, Inbox) else Inbox(conversations)
+        del conversations  # the inbox alone holds them (and their prefill records) until they run
+        self.capacity = max([self.capacity, *(self._need(c) for c in inbox)])  # the pool's size, once
         live: list[_Row | None] = [None] * self.n_rows
         last = torch.zeros(self.n_rows, dtype=torch.long, device=self.model.device)  # (rows,) last token
         self.started = time.perf_counter()
-        while queue or any(live):
+        while inbox or any(live):
             if self.continuous or not any(live):
-                for done in self._refill(queue, live, last):
-                    yield from self._finish(done, queue, then)
-            if not any(live):
-                continue
-            for done in self._step(live, last):
-                yield from self._finish(done, queue, then)
+                yield from self._refill(inbox, live, last)
+            if any(live):
+                yield from self._step(live, last, inbox)
 
-    def _finish(self, done: Done, queue: deque, then) -> Iterator[Done]:
-        follow = then(done) if then is not None else None
-        if follow is not None:
-            self.capacity = max(self.capacity, self._need(follow))
-            queue.appendleft(follow)
-        yield done
-
-    def _refill(self, queue: deque, live: list, last: torch.Tensor) -> Iterator[Done]:
-        """Free rows take the next requests (prefilled alone, then copied in)."""
+    def _refill(self, inbox: Inbox, live: list, last: torch.Tensor) -> Iterator[Done]:
+        """Free rows take the next conversations (prefilled alone, then copied in)."""
         for r in range(self.n_rows):
-            while live[r] is None and queue:
-                req = queue.popleft()
+            while live[r] is None and inbox:
+                conv = inbox.take()
+                self.capacity = max(self.capacity, self._need(conv))  # a follow-up, or one that arrived
                 start = time.perf_counter()
-                cache, logits = self._prefill(req)
+                cache, logits, replayed = self._prefill(conv)
                 self.layer_bytes = self.layer_bytes or [lay.entry_bytes() for lay in cache.layers]
                 self.kv_heads = self.kv_heads or int(cache.layers[0].keys.shape[1])  # (B, H_kv, T, D)
-                row = self._new_row(req, time.perf_counter() - start)
+                row = self._first_row(conv, time.perf_counter() - start, replayed)
                 self.prefill_s += row.prefill_s
-                self.prefill_tokens += len(req.ids)
+                self.prefill_tokens += len(conv.ids)
                 if row.forced:  # the prefill's logits predict the first forced token: not a choice
                     token = row.forced.popleft()
                 else:
                     token = self._choose(row, logits)
                     ended = self._append(row, token)
-                    if ended is not None:  # done at its first token: it never needs a row
-                        yield self._done(row, ended, cache.row_stats()[0])
-                        continue
+                    if ended is not None:  # its turn is done at its first token
+                        done = self._done(row, ended, cache.row_stats()[0])
+                        yield done
+                        row = self._next(row, done, inbox)
+                        if row is None:  # nothing more on this cache: it never needs a row
+                            continue
+                        token = row.forced.popleft()  # a later turn always feeds its question first
                 if self.pool is None:
                     self.pool = SlotPool.shaped_like(cache, self.n_rows, self.capacity)
                 elif self.pool.capacity < self.capacity:  # by half again at least: few regrowths, recompiles
@@ -195,8 +253,8 @@ class Engine:
                 self.pool.load_row(r, cache)
                 live[r], last[r] = row, token
 
-    def _step(self, live: list, last: torch.Tensor) -> Iterator[Done]:
-        """One decode step of every row: a token each, the finished rows released."""
+    def _step(self, live: list, last: torch.Tensor, inbox: Inbox) -> Iterator[Done]:
+        """One decode step of every row: a token each, the finished turns handed out."""
         start = time.perf_counter()
         positions = self.pool.rows.next_pos.clone()[:, None]  # (rows, 1) this token's position per row
         out = self.step_fn(
@@ -217,7 +275,7 @@ class Engine:
             if row.forced:  # teacher-forced: the next input is the next forced token, whatever was predicted
                 chosen[r] = row.forced.popleft()
                 continue
-            if row.generator is not None or row.logits is not None or len(row.tokens) < row.request.min_new:
+            if row.generator is not None or row.logits is not None or len(row.tokens) < row.turn.min_new:
                 chosen[r] = self._choose(row, logits[r : r + 1])
             ended = self._append(row, chosen[r])
             if ended is not None:
@@ -233,43 +291,45 @@ class Engine:
         self.idle_row_steps += self.n_rows - len(active)
         kv = self.pool.row_stats() if finished else []  # every row's figures at once (a few host reads)
         for r, ended in finished:
-            yield self._done(live[r], ended, kv[r])
-            if live[r].request.turns:  # a conversation: its next question, on the same row's cache
-                live[r] = self._next_turn(live[r])
+            done = self._done(live[r], ended, kv[r])
+            yield done
+            live[r] = self._next(live[r], done, inbox)
+            if live[r] is not None:  # the conversation's next question, on the same row's cache
                 last[r] = live[r].forced.popleft()
-                continue
-            live[r] = None
-            self.pool.idle_row(r)
+            else:
+                self.pool.idle_row(r)
 
-    def _next_turn(self, row: _Row) -> _Row:
-        """The row's next question: the last answer token fed back (an EOS is left out: the turn's markup
-        closes the answer), then the turn's own forced tokens."""
-        nxt = row.request.turns[0]
-        nxt.turns = row.request.turns[1:]
-        new = self._new_row(nxt, 0.0)
+    def _next(self, row: _Row, done: Done, inbox: Inbox) -> _Row | None:
+        """What follows a finished turn: the next turn on the same cache (the last answer token fed back,
+        unless an EOS: the turn's markup closes the answer, then the turn's own forced tokens), or None (a
+        follow-up call goes to the front of the inbox on a fresh cache, or the conversation is over)."""
+        if not row.rest:
+            return None
+        nxt, rest = row.rest[0], row.rest[1:]
+        if isinstance(nxt, Followup):  # the conversation's last turn (`_need`)
+            inbox.put(nxt.build(done), first=True)
+            return None
+        new = self._new_row(row.key, nxt, rest, before=0, prefill=row.prefill)
         new.forced.extendleft([] if row.tokens[-1] in self.eos else [row.tokens[-1]])
         # the cache holds everything before the last answer token (written only when fed back), then this turn
         new.before, new.prefill = row.before + len(row.tokens) - 1 + len(new.forced), row.prefill
         return new
 
-    # --- one request ----------------------------------------------------------------------------------------
-    def _prefill(self, req: Request) -> tuple[KVCache, torch.Tensor]:
-        """The request's own one-row cache after its prefill, and the last position's float32 logits
-        (1, V)."""
-        replay = (
-            req.replay
-            if req.replay is not None and req.replay.usable and req.replay.logits is not None
-            else None
-        )
+    # --- one conversation -----------------------------------------------------------------------------------
+    def _prefill(self, conv: Conversation) -> tuple[KVCache, torch.Tensor, bool]:
+        """The conversation's own one-row cache after its prefill, the last position's float32 logits (1, V),
+        and whether the prefill was replayed from a record."""
+        replay = conv.replay
+        replay = replay if replay is not None and replay.usable and replay.logits is not None else None
         cache = KVCache.for_model(
-            req.method,
+            conv.method,
             self.model,
-            record=req.record,
+            record=conv.record,
             replay=replay,
-            max_new_tokens=fed_tokens(req),
+            max_new_tokens=fed_tokens(conv),
             agree=self.cache_agree,
         )
-        ids = torch.tensor([req.ids], device=self.model.device)
+        ids = torch.tensor([conv.ids], device=self.model.device)
         with shared_prefill(self.model):
             out = self.model(
                 input_ids=ids,
@@ -278,38 +338,66 @@ class Engine:
                 use_cache=True,
                 **self._keep_last(),
             )
-        # the owner and each replaying request drop their reference once prefilled, so a prompt's record lives
-        # only until its last budget is in (a record holds the prompt's whole K/V)
-        req.replayed, req.replay, req.record = replay is not None, None, None
-        return cache, self.team.agree(out.logits[:, -1].to(copy=True, dtype=torch.float32))  # TP: root's
+        # the owner and each replaying conversation drop their reference once prefilled, so a prompt's record
+        # lives only until its last budget is in (a record holds the prompt's whole K/V)
+        conv.replay = conv.record = None
+        logits = self.team.agree(out.logits[:, -1].to(copy=True, dtype=torch.float32))  # TP: the root's
+        return cache, logits, replay is not None
 
-    def _new_row(self, req: Request, prefill_s: float) -> _Row:
+    def _first_row(self, conv: Conversation, prefill_s: float, replayed: bool) -> _Row:
+        """The row of a conversation's first turn still to answer: the answered turns before it (a resumed
+        conversation) are fed back first, teacher-forced, exactly as the cache held them."""
+        turns = list(conv.turns)
+        history = []
+        while isinstance(turns[0], Turn) and turns[0].answer is not None:
+            done = turns.pop(0)
+            history += done.forced + done.answer
+        first = turns[0]
+        # in the cache before its answer: the context, the answered turns fed back, and its own forced tokens
+        before = len(conv.ids) + len(history) + len(first.forced)
+        row = self._new_row(conv.key, first, turns[1:], before, len(conv.ids), prefill_s, replayed)
+        row.forced.extendleft(reversed(history))
+        return row
+
+    def _new_row(
+        self, key: str, turn: Turn, rest: list, before: int, prefill: int, prefill_s=0.0, replayed=False
+    ) -> _Row:
         from lm_eval.models.utils_hf import MultiTokenEOSCriteria
 
-        cfg = req.config
+        cfg = turn.config
         generator, warpers = None, LogitsProcessorList()
         if cfg.do_sample:  # transformers' warpers for these settings, in its order
-            generator = torch.Generator(device=self.model.device).manual_seed(req.seed)
+            generator = torch.Generator(device=self.model.device).manual_seed(turn.seed)
             if cfg.temperature is not None and cfg.temperature != 1.0:
                 warpers.append(TemperatureLogitsWarper(cfg.temperature))
             if cfg.top_k is not None and cfg.top_k != 0:
                 warpers.append(TopKLogitsWarper(top_k=cfg.top_k, min_tokens_to_keep=1))
             if cfg.top_p is not None and cfg.top_p < 1.0:
                 warpers.append(TopPLogitsWarper(top_p=cfg.top_p, min_tokens_to_keep=1))
-        stops = [MultiTokenEOSCriteria(s, self.tokenizer, 0, 1) for s in req.until]
-        logits = [] if req.keep_logits else None
+        stops = [MultiTokenEOSCriteria(s, self.tokenizer, 0, 1) for s in turn.until]
         return _Row(
-            req, [], stops, generator, warpers, prefill_s, logits=logits, forced=deque(req.forced),
-            before=len(req.ids) + len(req.forced), prefill=len(req.ids),
-        )  # fmt: skip
+            key=key,
+            turn=turn,
+            rest=rest,
+            tokens=[],
+            stops=stops,
+            generator=generator,
+            warpers=warpers,
+            before=before,
+            prefill=prefill,
+            prefill_s=prefill_s,
+            replayed=replayed,
+            logits=[] if turn.keep_logits else None,
+            forced=deque(turn.forced),
+        )
 
     def _choose(self, row: _Row, logits: torch.Tensor) -> int:
         """transformers' token choice from logits (1, V): EOS masked before `min_new` tokens, then argmax, or
         warpers, softmax and one multinomial draw from the row's own generator (the same stream as generate's
-        global one seeded with the request's seed)."""
+        global one seeded with the turn's seed)."""
         if row.logits is not None:
             row.logits.append(logits[0].clone())
-        if len(row.tokens) < row.request.min_new and self.eos:  # MinNewTokensLengthLogitsProcessor
+        if len(row.tokens) < row.turn.min_new and self.eos:  # MinNewTokensLengthLogitsProcessor
             logits = logits.clone()
             logits[:, sorted(self.eos)] = float("-inf")
         if row.generator is None:
@@ -319,7 +407,7 @@ class Engine:
         return int(torch.multinomial(probs, num_samples=1, generator=row.generator)[0, 0])
 
     def _append(self, row: _Row, token: int) -> str | None:
-        """Add a token; why the request ends here (transformers' stopping criteria), or None."""
+        """Add a token; why the turn ends here (transformers' stopping criteria), or None."""
         row.tokens.append(token)
         self.generated += 1
         if token in self.eos:
@@ -328,20 +416,20 @@ class Engine:
             ids = torch.tensor([row.tokens[-max(s.sequence_id_len for s in row.stops) :]])
             if any(bool(stop(ids, None)) for stop in row.stops):
                 return "stop"
-        return "limit" if len(row.tokens) >= row.request.max_new else None
+        return "limit" if len(row.tokens) >= row.turn.max_new else None
 
     def _done(self, row: _Row, ended: str, kv: dict) -> Done:
-        req = row.request
+        turn = row.turn
         stats = dict(
             prompt_tokens=row.before,  # every token before the answer: a conversation's earlier turns too
             prefill_tokens=row.prefill,  # of them, those the prefill compressed (the rest was fed after it)
-            max_new_tokens=req.max_new,
+            max_new_tokens=turn.max_new,
             output_tokens=len(row.tokens),
             hit_limit=ended == "limit",
             wall_s=row.prefill_s + row.share_s,
             tokens_per_s=self.generated
             / max(time.perf_counter() - self.started, 1e-9),  # the engine's, so far
-            prefill_replayed=req.replayed,
+            prefill_replayed=row.replayed,
             kv_slots=kv["slots"],
             kv_bytes=kv["bytes"],
             kv_seen=kv["seen"],
@@ -349,17 +437,20 @@ class Engine:
             kv_evicted_generated=kv["evicted_generated"],
             kv_heads=self.kv_heads,  # kv_bytes hold these heads: under TP a rank's share of the cache
         )
-        if req.forced:  # query_aware=false: the question's tokens were fed as decoded ones (counted as such)
-            stats["question_tokens"] = len(req.forced)
-        return Done(req, row.tokens, ended, stats, row.logits)
+        if turn.forced:  # query_aware=false: the question's tokens were fed as decoded ones (counted as such)
+            stats["question_tokens"] = len(turn.forced)
+        return Done(row.key, turn, row.tokens, ended, stats, row.logits)
 
-    def _need(self, req: Request) -> int:
-        """Slots a request needs in the pool (a conversation: all its turns)."""
-        if req.turns and not all(t.forced for t in [req, *req.turns]):
+    def _need(self, conv: Conversation) -> int:
+        """Slots a conversation needs in the pool (all its turns on its one cache)."""
+        turns = [t for t in conv.turns if isinstance(t, Turn)]
+        if len(turns) > 1 and not all(t.forced for t in turns):
             raise ValueError(
                 "a conversation's every turn feeds its question (forced tokens) before it answers"
             )
-        return slots_needed(req.method, len(req.ids), fed_tokens(req))
+        if any(isinstance(t, Followup) for t in conv.turns[:-1]):
+            raise ValueError("a follow-up call is a conversation's last turn (it runs on a cache of its own)")
+        return slots_needed(conv.method, len(conv.ids), fed_tokens(conv))
 
     def _keep_last(self) -> dict:
         """logits_to_keep=1 where the model takes it, as generate passes it (same numbers, less work)."""
@@ -373,5 +464,5 @@ class Engine:
         }
 
     def idle_fraction(self) -> float:
-        """Share of decoded row-steps that held no request (static batching's waste)."""
+        """Share of decoded row-steps that held no conversation (static batching's waste)."""
         return self.idle_row_steps / self.row_steps if self.row_steps else 0.0

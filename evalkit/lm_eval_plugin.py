@@ -11,6 +11,7 @@ lm-eval's own models. lm-eval's warnings about evalkit's own tasks that say noth
 import importlib.abc
 import importlib.machinery
 import logging
+import os
 import sys
 
 TARGET = "lm_eval.api.registry"
@@ -49,6 +50,30 @@ def quiet() -> None:
             logger.addFilter(QuietFilter(rules))
 
 
+def _lm_eval_cli() -> bool:
+    """This process is lm-eval's command line (`lm_eval ...` or `python -m lm_eval ...`)."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    return os.path.basename(argv0) == "lm_eval" or argv0.endswith(os.path.join("lm_eval", "__main__.py"))
+
+
+def one_line_errors() -> None:
+    """lm-eval's command line has no error hook of its own: under it an EvalkitError (a `--model_args`
+    setting refused before the model loads, a run setting its task cannot run) ends the run as `python -m
+    evalkit` ends one, with one line and exit status 2 instead of a traceback. Other errors are untouched."""
+    previous = sys.excepthook
+
+    def hook(kind, error, tb):
+        from evalkit.errors import EvalkitError
+
+        if not isinstance(error, EvalkitError):
+            return previous(kind, error, tb)
+        sys.stdout.flush()
+        print(f"lm_eval --model evalkit: error: {error}", file=sys.stderr, flush=True)
+        os._exit(2)  # an excepthook cannot set the exit status otherwise
+
+    sys.excepthook = hook
+
+
 class _Loader(importlib.abc.Loader):
     def __init__(self, inner):
         self.inner = inner
@@ -63,6 +88,8 @@ class _Loader(importlib.abc.Loader):
 
         module.model_registry.register("evalkit", target="evalkit.lm_eval_cli:CliLM")
         quiet()
+        if _lm_eval_cli():
+            one_line_errors()
 
 
 class _Finder(importlib.abc.MetaPathFinder):

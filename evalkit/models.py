@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from evalkit.team import Team
 
+if TYPE_CHECKING:
+    from evalkit.checks import RunNeeds
+
 
 class ModelBackend(Protocol):
     """What the runner asks of a model conf, whether it runs in process (ModelSpec) or behind a server
@@ -29,8 +32,8 @@ class ModelBackend(Protocol):
     max_new_tokens: int | None
     prompt_format: str | None
 
-    def check(self, method_name: str) -> None:
-        """Refuse a conf that cannot run with this method, before any data loads (ConfigError)."""
+    def check(self, needs: RunNeeds) -> None:
+        """Refuse a conf that cannot run what `needs` asks, before any data loads (ConfigError)."""
 
     def make_lm(self, plans: list, context: int, load: Callable, team: Team) -> Any:
         """The lm-eval model generating the plans' journals on this process of `team`; `load(spec)` loads
@@ -64,8 +67,16 @@ class ModelSpec:
     prompt_format: str | None = None
 
     # --- ModelBackend: generation in this process -----------------------------------------------------------
-    def check(self, method_name: str) -> None:
-        """Every method runs in process."""
+    def check(self, needs: RunNeeds) -> None:
+        """Every method, layout and question order runs in process; a task's own single-turn template for
+        this model family (`prompt_format`) has no next turn for a later question."""
+        if needs.multi_question and self.prompt_format:
+            from evalkit.config import ConfigError
+
+            raise ConfigError(
+                f"multi_question=true: model {self.name} renders {needs.task} with its own single-turn "
+                f"template (model.prompt_format={self.prompt_format}): set model.prompt_format=null"
+            )
 
     def make_lm(self, plans: list, context: int, load: Callable, team: Team) -> Any:
         """EvalkitLM for the first plan; the other plans' budgets replay its prefills (`also`)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from transformers import GenerationConfig
 
-from evalkit.sample import TEMPLATE_KEY, Sample, render_sample
+from evalkit.sample import FOLLOWUP_KEY, QUESTION_KEY, TEMPLATE_KEY, Sample, render_sample
 
 DOC_FIELDS = {"id", "task", "prompt", "answers", "max_new_tokens"}
 
@@ -56,7 +56,7 @@ class Prompt:
     max_new: int
     gen: dict  # the request's generation kwargs (until, sampling)
     sample: Sample | None = None
-    # "module:function" making a second call from the first output (LongBench CoT)
+    # "module:function" making a second call from the first output (LongBench CoT: its Sample says so)
     followup: str | None = None
     question_at: int | None = None  # query_aware=false: where the question starts in `text` (a char offset)
 
@@ -76,20 +76,29 @@ def new_tokens_cap(spec, n: int) -> int:
     return min(n, spec.max_new_tokens) if spec.max_new_tokens else n
 
 
-def request_prompt(req, key: str, tokenizer, limit: int, cap, question_start=None) -> Prompt:
+def request_prompt(req, key: str, tokenizer, limit: int, cap, split: bool = False) -> Prompt:
     """The prompt of one request: evalkit docs are rendered from their Sample (chat template, prefill) and
     keep their own `max_new_tokens` within `limit`; a plain lm-eval task's context is used as lm-eval rendered
-    it. `question_start` (query_aware=false): the task module's, saying where a sample's question starts."""
+    it. The Sample says whether a follow-up call comes after it and, query_aware=false, where its question
+    starts (`split`: the in-process LM cuts the prompt there; a served model sends it whole)."""
     context, gen = req.args[0], dict(req.args[1])
-    followup = gen.pop("evalkit_followup", None)
     limit = cap(int(gen.get("max_gen_toks", limit)))
     doc = req.doc if isinstance(req.doc, dict) and set(req.doc) >= DOC_FIELDS else None
     if doc is None:  # a plain lm-eval task: lm-eval rendered the context
-        return Prompt(key, context, limit, gen, followup=followup)
+        return Prompt(key, context, limit, gen)
     sample = Sample.from_doc(doc)
     text = sample_prompt(tokenizer, sample)
-    at = None if question_start is None else question_offset(text, sample, question_start(sample))
-    return Prompt(key, text, min(sample.max_new_tokens, limit), gen, sample, followup, at)
+    start = question_start(sample) if split else None
+    at = None if start is None else question_offset(text, sample, start)
+    return Prompt(
+        key, text, min(sample.max_new_tokens, limit), gen, sample, sample.meta.get(FOLLOWUP_KEY), at
+    )
+
+
+def question_start(sample: Sample) -> int | None:
+    """query_aware=false: where the sample's question starts in its user message (the task module's
+    `question_start`, put on the sample when the run compresses before the question); None: query-aware."""
+    return sample.meta.get(QUESTION_KEY)
 
 
 def question_offset(text: str, sample: Sample, start: int) -> int:
@@ -152,21 +161,19 @@ def followup_prompt(p: Prompt, first: str, tokenizer, cap) -> Prompt:
     return Prompt(p.key, sample_prompt(tokenizer, s), cap(s.max_new_tokens), p.gen, s)
 
 
-def fit_prompt(tokenizer, p: Prompt, context: int) -> tuple[list[int], bool]:
-    """(token ids, truncated) within the model context; may lower `p.max_new`.
+def fit_prompt(tokenizer, p: Prompt, context: int) -> tuple[list[int], bool, int]:
+    """(token ids, truncated, new-token limit) of a prompt within the model context.
 
     Prompt + generation must fit the context. A short prompt with a long generation budget (AIME's 32k
     tokens on an 8k model) has its generation capped ("capped by the model context"); a long prompt is cut
     in the middle, keeping the instructions and the question (as LongBench does), and counted."""
     ids = tokenizer(p.text, add_special_tokens=p.sample is None)["input_ids"]
     if len(ids) + p.max_new <= context:
-        return ids, False
+        return ids, False, p.max_new
     if len(ids) <= context // 2:
-        p.max_new = context - len(ids)
-        return ids, False
+        return ids, False, context - len(ids)
     keep = max(context - p.max_new, context // 2)
-    p.max_new = min(p.max_new, context - keep)
-    return ids[: keep // 2] + ids[len(ids) - (keep - keep // 2) :], True
+    return ids[: keep // 2] + ids[len(ids) - (keep - keep // 2) :], True, min(p.max_new, context - keep)
 
 
 def finish_text(p: Prompt, text: str, until: list[str]) -> str:

@@ -1,7 +1,8 @@
 """The entry point: `python -m evalkit [overrides]` evaluates one (model, task, method, budget) with lm-eval.
 
-Reads top to bottom: validate the config (no data, no model), check what each run folder already holds, load
-the data, then
+Reads top to bottom (`run`): plan every budget and check everything that can be checked (evalkit.checks: no
+data, no model), check what each run folder already holds, read the model's config and check the plans
+against it, load the data, then
 - generate: lm-eval drives the task's requests through the evalkit model; every finished generation is
   journaled (`generations.jsonl`), so a killed run resumes where it stopped;
 - score: every sample is scored from the journal by the task's own scorer, and `samples.jsonl` +
@@ -15,7 +16,6 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,21 +24,13 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from evalkit import checks
 from evalkit import metrics as metrics_record
-from evalkit.config import (
-    CONF_DIR,
-    ConfigError,
-    check_choice,
-    choices,
-    compose,
-    group_config,
-    model_spec,
-)
+from evalkit.config import CONF_DIR, ConfigError, choices, compose, group_config, model_spec
 from evalkit.errors import EvalkitError, exit_with
 from evalkit.identity import check_folder, classify, run_dir, run_identity
 from evalkit.journal import Journal, fold_shards, open_journals, request_keys
 from evalkit.kv.config import canonical, make_method, method_class
-from evalkit.kv.methods import RunFacts
 from evalkit.results import RunLock, atomic_write, check_writable, config_yaml
 from evalkit.summary import announce, next_step, print_table, summarize
 from evalkit.task import DataError
@@ -46,8 +38,11 @@ from evalkit.team import Ranks, Team
 
 TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
 _MODELS: dict[str, tuple] = {}  # one load per process across the jobs of a sweep
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # run-folder components: no separators, no "..", no "-x"
 log = logging.getLogger("evalkit")
+SAYS = {
+    "rebuild": "samples.jsonl is missing; rebuilding it from its journal",
+    "rescore": "scorer or grading settings changed; re-scoring from its journal",
+}
 
 
 @dataclass(eq=False)
@@ -61,22 +56,32 @@ class Plan:
     # (skipped)
     state: str = "new"
     journal: Journal | None = field(default=None, repr=False)
+    left: int = 0  # requests not journaled yet (0: scoring needs no model)
 
 
-# --- configuration: everything that can fail before data or a model is loaded ------------------------------
-def plan(cfg: DictConfig) -> Plan:
-    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
-    for group in ("model", "task", "method"):
-        if group in choices:
-            check_choice(group, choices[group])
-    for key in ("task.name", "model.name", "task.lm_eval_task"):
-        value = OmegaConf.select(cfg, key)
-        if not isinstance(value, str) or not NAME.fullmatch(value):
-            raise ConfigError(
-                f"{key} must be a plain name (letters, digits, '_', '.', '-', '+'), got {value!r}"
-            )
+# --- the plan: everything that can fail before data or a model is loaded ----------------------------------
+def plan(cfg: DictConfig, processes: int = 1) -> Plan:
+    hydra_choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    checks.check_names(cfg, hydra_choices)
+    cfg, method, method_name = resolve_method(cfg, hydra_choices)
+    checks.check_run_settings(cfg)
+    out = run_dir(cfg, method_name, group_config("method", method_name), conf_defaults(cfg))
+    try:
+        task_module = importlib.import_module(cfg.task.module)
+    except ImportError as e:
+        raise ConfigError(f"task {cfg.task.name}: cannot import {cfg.task.module} ({e})") from None
+    checks.check_task(cfg, task_module)
+    spec = model_spec(cfg.model)
+    checks.check_backend(
+        cfg, spec, method_name, processes
+    )  # e.g. a served model: method full, one process, an address
+    return Plan(cfg, method, spec, task_module, out)
+
+
+def resolve_method(cfg: DictConfig, hydra_choices: dict) -> tuple[DictConfig, object, str]:
+    """(the config with its method settings in their one spelling, the method, its conf name)."""
     cls = method_class(cfg.method._target_)
-    method_name = choices.get("method") or cls.name  # the conf's name (SnapKVDecode: snapkv_decode)
+    method_name = hydra_choices.get("method") or cls.name  # the conf's name (SnapKVDecode: snapkv_decode)
     if not cls.budget_applies and cfg.method.get("budget") is not None:
         # a sweep lists `full` beside compressed methods: its budgets all name the one uncompressed run
         log.info("%s keeps every entry: budget=%s does not apply", method_name, cfg.method.budget)
@@ -85,23 +90,7 @@ def plan(cfg: DictConfig) -> Plan:
     defaults = group_config("method", method_name)
     if (same := canonical(cfg.method, method, defaults)) is not cfg.method:  # e.g. recent=32 at budget 256
         cfg = OmegaConf.merge(cfg, {"method": same})
-    check_run_settings(cfg)
-    out = run_dir(cfg, method_name, defaults, conf_defaults(cfg))
-    try:
-        task_module = importlib.import_module(cfg.task.module)
-    except ImportError as e:
-        raise ConfigError(f"task {cfg.task.name}: cannot import {cfg.task.module} ({e})") from None
-    for attr, what in (
-        ("VERSION", "bumped when prompts or data change"),
-        ("SCORER_VERSION", "bumped when scoring changes"),
-    ):
-        if not _int(getattr(task_module, attr, None)):
-            raise ConfigError(f"task module {cfg.task.module} must define {attr} (an int, {what})")
-    check_load_keys(cfg, task_module)
-    check_question_split(cfg, task_module)
-    spec = model_spec(cfg.model)
-    spec.check(method_name)  # a served model: method full, a valid address, a tokenizer
-    return Plan(cfg, method, spec, task_module, out)
+    return cfg, method, method_name
 
 
 def conf_defaults(cfg: DictConfig) -> DictConfig | None:
@@ -112,151 +101,31 @@ def conf_defaults(cfg: DictConfig) -> DictConfig | None:
     return compose(overrides=[f"task={cfg.task.name}", f"model={cfg.model.name}"])
 
 
-def check_run_settings(cfg: DictConfig) -> None:
-    for key, value, ok, rule in (
-        ("batch_size", cfg.get("batch_size"), lambda v: _int(v) and v >= 1, "a positive integer"),
-        ("limit", cfg.get("limit"), lambda v: v is None or _int(v) and v >= 1, "null or a positive integer"),
-        ("seed", cfg.get("seed"), _int, "an integer"),
-        ("compile", cfg.get("compile"), lambda v: isinstance(v, bool), "true or false"),
-        ("query_aware", cfg.get("query_aware", True), lambda v: isinstance(v, bool), "true or false"),
-        ("multi_question", cfg.get("multi_question", False), lambda v: isinstance(v, bool), "true or false"),
-        (
-            "model.max_new_tokens",
-            cfg.model.get("max_new_tokens"),
-            lambda v: v is None or _int(v) and v >= 1,
-            "null (the task's own limit) or a positive integer",
-        ),
-        ("task.repeats", cfg.task.get("repeats"), lambda v: _int(v) and v >= 1, "a positive integer"),
-        (
-            "task.load.n",
-            cfg.task.load.get("n"),
-            lambda v: v is None or _int(v) and v >= 1,
-            "null (all) or a positive integer",
-        ),
-    ):
-        if not ok(value):
-            raise ConfigError(f"{key} must be {rule}, got {value!r}")
-
-
-def check_question_split(cfg: DictConfig, task_module) -> None:
-    """query_aware=false needs a task whose prompt has a context before its question, and that says where the
-    question starts (`question_start`); a task without one is refused with its own reason. multi_question
-    needs query_aware=false and the tokenizer's chat template (its next questions are chat turns)."""
-    if cfg.get("multi_question", False):
-        if cfg.get("query_aware", True):
-            raise ConfigError(
-                "multi_question=true asks several questions on one context compressed before any of them: "
-                "it needs query_aware=false"
-            )
-        if cfg.model.get("prompt_format") or cfg.model.get("base_url"):
-            raise ConfigError(
-                f"multi_question=true: model {cfg.model.name} "
-                + (
-                    "is served (a served cache is not held between requests): run it in process"
-                    if cfg.model.get("base_url")
-                    else f"renders {cfg.task.name} with its own single-turn template "
-                    f"(model.prompt_format={cfg.model.prompt_format}): set model.prompt_format=null"
-                )
-            )
-    if cfg.get("query_aware", True):
-        return
-    if getattr(task_module, "question_start", None) is None:
-        why = getattr(task_module, "NO_QUESTION_SPLIT", "its module does not say where the question starts")
-        raise ConfigError(
-            f"query_aware=false: task {cfg.task.name} cannot compress its context before the question: "
-            f"{why}. Run it with query_aware=true (the default)"
-        )
-
-
-def ask_later(lm, p: Plan) -> None:
-    """query_aware=false: the in-process LM splits each prompt at the task's `question_start`. A served model
-    keeps a full cache, which is query-agnostic by nature: its prompts go as they are (the same outputs)."""
-    if not p.cfg.get("query_aware", True) and hasattr(lm, "question_start"):
-        lm.question_start = p.task_module.question_start
-        lm.multi_question = bool(p.cfg.get("multi_question", False))
-
-
-RUNNER_LOAD_KEYS = {
-    "tokenizer",
-    "model_context",
-    "prompt_format",
-    "multi_question",
-}  # what the runner itself passes to `load`
-
-
-def check_load_keys(cfg: DictConfig, task_module) -> None:
-    """A `task.load.<key>` the task's `load()` does not name would be swallowed by its `**_`: refused
-    instead."""
-    import inspect
-
-    params = inspect.signature(task_module.load).parameters.values()
-    known = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - RUNNER_LOAD_KEYS
-    unknown = sorted(set(cfg.task.get("load") or {}) - known)
-    if unknown:
-        raise ConfigError(
-            f"task {cfg.task.name}: unknown setting(s) {', '.join('task.load.' + k for k in unknown)}; "
-            f"its load settings: {', '.join(sorted(known))}"
-        )
-
-
-def check_budget(plans: list[Plan], context: int) -> None:
-    """A budget above the model's context keeps nothing more than the full cache, yet the static cache would
-    be allocated at that size (tens of GB at a typo's budget): refused before the model loads."""
-    for p in plans:
-        budget = p.method.budget  # None for full
-        if budget is not None and budget > context:
-            raise ConfigError(
-                f"method.budget={budget} is above {p.cfg.model.name}'s context of {context} tokens: no "
-                f"prompt can fill it. Choose a budget below {context}, or METHOD=full for the uncompressed "
-                "cache"
-            )
-
-
-def has_followup(cfg: DictConfig) -> bool:
-    """The task's lm-eval YAML asks a second call after each first one (`evalkit_followup`: LongBench-v2
-    CoT's answer call)."""
-    for path in TASKS_DIR.glob("*/*.yaml"):
-        text = path.read_text()
-        if re.search(rf"^task:\s*{re.escape(cfg.task.lm_eval_task)}\s*$", text, re.M):
-            return "evalkit_followup:" in text
-    return False
-
-
-def check_decode_eviction(plans: list[Plan], model_cfg, tp: int = 1) -> None:
-    """What a plan's method cannot run with (`KVMethod.refusal`: a decode-time evictor's slot pool, e.g.
-    h2o and snapkv_decode), refused before the model loads."""
-    mla = getattr(model_cfg.get_text_config(), "kv_lora_rank", None) is not None
-    for p in plans:
-        facts = RunFacts(
-            model_name=p.cfg.model.name,
-            mla=mla,
-            followup=has_followup(p.cfg),
-            compile=bool(p.cfg.compile),
-            tp=tp,
-            task=p.cfg.task.name,
-        )
-        why = p.method.refusal(facts)
-        if why is not None:
-            raise ConfigError(why)
-
-
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def plans_for(cfg: DictConfig) -> list[Plan]:
+def plans_for(cfg: DictConfig, team: Team | None = None) -> list[Plan]:
     """One plan per budget: `method.budget=[64,128,256]` evaluates several budgets with one prefill each
-    prompt."""
+    prompt (`team`: the run's processes, one by default)."""
+    processes = team.world if team is not None else 1
     budgets = cfg.method.get("budget")
     if not isinstance(budgets, ListConfig):
-        return [plan(cfg)]
+        return [plan(cfg, processes)]
     if not budgets:
         raise ConfigError("method.budget: an empty list names no run; give one budget or a non-empty list")
     out: dict[Path, Plan] = {}
     for b in budgets:
-        q = plan(OmegaConf.merge(cfg, {"method": {"budget": b}}))
+        q = plan(OmegaConf.merge(cfg, {"method": {"budget": b}}), processes)
         out.setdefault(q.out, q)  # `full` ignores budgets: one run
     return list(out.values())
+
+
+def read_model(plans: list[Plan], team: Team | None = None) -> int:
+    """The model's context, from its config (no weights), with the plans checked against that config."""
+    from evalkit.sources import context_length, model_config, resolve_source
+
+    spec = plans[0].spec
+    model_cfg = model_config(spec, resolve_source(spec))
+    context = context_length(spec, model_cfg)
+    checks.check_model(plans, model_cfg, context, team.tp if team is not None else 1)
+    return context
 
 
 # --- data and what each folder holds ---------------------------------------------------------------------
@@ -298,10 +167,19 @@ def open_journal(p: Plan, path: Path) -> Journal:
     return journal
 
 
-def missing(p: Plan, loaded) -> int:
-    """Requests of this run not in its journal yet (0: scoring needs no model)."""
-    keys = request_keys(p.cfg.task.lm_eval_task, len(evaluated(p, loaded)), int(p.cfg.task.repeats))
-    return sum(k not in p.journal.records for k in keys)
+def open_runs(plans: list[Plan], loaded, team: Team) -> None:
+    """Each plan's state (from the writer's reading of its folder) and journal, and what it still needs."""
+    writer = team.writer
+    states = team.from_writer([classify(p, loaded) for p in plans] if writer else None)
+    for p, state in zip(plans, states):
+        p.state = state
+    open_journals(plans, open_journal, team)  # each replica's shard; TP peers: their root's records
+    for p in plans:
+        if p.state != "done":
+            keys = request_keys(p.cfg.task.lm_eval_task, len(evaluated(p, loaded)), int(p.cfg.task.repeats))
+            p.left = sum(k not in p.journal.records for k in keys)
+    if writer:
+        announce(plans, loaded, len(evaluated(plans[0], loaded)), {p.out: p.left for p in plans})
 
 
 # --- generation ------------------------------------------------------------------------------------------
@@ -322,7 +200,6 @@ def generate(plans: list[Plan], load_kwargs: dict, context: int, team: Team) -> 
     p = plans[0]
     # get_model looked up now: tests patch it
     lm = p.spec.make_lm(plans, context, lambda spec: get_model(spec, team), team)
-    ask_later(lm, p)
     for q in plans if team.writer else ():
         atomic_write(q.out / "config.yaml", config_yaml(q.cfg))
     lm_eval_generate(p, lm, load_kwargs)
@@ -331,11 +208,13 @@ def generate(plans: list[Plan], load_kwargs: dict, context: int, team: Team) -> 
 def lm_eval_generate(p: Plan, lm, load_kwargs: dict) -> None:
     """Run the task's lm-eval YAML with the evalkit model in lm-eval's predict-only mode: lm-eval builds and
     issues the requests (templates, generation settings, repeats); scoring happens afterwards, from the
-    journal."""
+    journal. The task's metadata is what its `load` got, and the run's query_aware: the task's hooks put
+    where each question starts on its doc (evalkit.task.lm_eval_hooks)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=load_kwargs)
+    metadata = load_kwargs if p.cfg.get("query_aware", True) else {**load_kwargs, "query_aware": False}
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)
     tasks = get_task_dict([p.cfg.task.lm_eval_task], manager)
     for task in tasks.values():
         task.config.repeats = int(p.cfg.task.repeats)
@@ -363,6 +242,21 @@ def configure_task(p: Plan) -> dict | None:
 
 
 # --- scoring ---------------------------------------------------------------------------------------------
+def score_all(plans: list[Plan], loaded, setup: dict | None, context: int, team: Team) -> None:
+    """The writer, once every replica has journaled its share: each unfinished run's shards folded into its
+    journal, then scored from it."""
+    from evalkit.sources import tokenizer_path
+    from evalkit.task import get_tokenizer
+
+    for p in plans:
+        if p.state == "done":
+            continue
+        fold_shards(p.journal)
+        if p.state in SAYS:
+            print(f"evalkit: {p.out}: {SAYS[p.state]}")
+        score(p, loaded, setup, context, get_tokenizer(tokenizer_path(p.spec)), team)
+
+
 def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer, team: Team) -> None:
     """Score every sample from the journal with the task's scorer; write samples.jsonl and metrics.json."""
     from evalkit.scoring import score_journal
@@ -373,7 +267,7 @@ def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer, team: Te
     keys = request_keys(task, len(samples), k)
     now = sum(key in p.journal.generated_keys for key in keys)  # what this process really generated
     counts = {"from_journal": len(keys) - now, "generated_now": now}  # resumed, or a re-score
-    check_headline(p, rows)
+    check_scored_headline(p, rows)
     metrics = summarize(p, loaded, rows, model_config(p.spec, resolve_source(p.spec)), context, counts)
     metrics.task_setup = setup
     metrics.extra.update(p.spec.extra_metrics(p.out))
@@ -383,9 +277,10 @@ def score(p: Plan, loaded, setup: dict | None, context: int, tokenizer, team: Te
     metrics_record.write(p.out / "metrics.json", metrics)
 
 
-def check_headline(p: Plan, rows: list[dict]) -> None:
-    """The headline must name one of the task's metrics. Known only once a sample is scored; the journal holds
-    every generation, so the corrected command re-scores without the model."""
+def check_scored_headline(p: Plan, rows: list[dict]) -> None:
+    """A breakdown headline (`score/<subset>`) that no sample scored: known only once the samples are scored
+    (the metric itself was checked before loading); the journal holds every generation, so the corrected
+    command re-scores without the model."""
     names = {k for r in rows for k in r["scores"]}
     if rows and p.cfg.task.headline not in names:
         top = sorted(k for k in names if "/" not in k)  # breakdowns (`score/vt`) are valid too, not listed
@@ -396,69 +291,52 @@ def check_headline(p: Plan, rows: list[dict]) -> None:
         )
 
 
+def finish(plans: list[Plan], team: Team) -> list[dict]:
+    """Each run's table, and the next step to a verdict."""
+    out = []
+    for p in plans:
+        if p.state == "done":
+            print(f"evalkit: {p.out} is complete; skipping (delete it to rerun)")
+        out.append(json.loads((p.out / "metrics.json").read_text()))
+        print_table(metrics_record.Metrics.from_json(out[-1]))
+    next_step(plans, team.world)
+    return out
+
+
 # --- the recipe ------------------------------------------------------------------------------------------
 def run(cfg: DictConfig, team: Team | None = None) -> list[dict]:
-    from evalkit.sources import context_length, model_config, resolve_source, tokenizer_path
-    from evalkit.task import get_tokenizer
+    from evalkit.sources import tokenizer_path
 
     team = team or Team.single()
-    plans = plans_for(cfg)
+    plans = plans_for(cfg, team)  # every setting checked: no data, no model
     writer = team.writer  # one writer: only rank 0 reads or writes the run folders
     for p in plans if writer else ():
         check_folder(p.out, p.cfg)
         check_writable(p.out)
-    spec = plans[0].spec
-    team.check_model(spec)
-    model_cfg = model_config(spec, resolve_source(spec))
-    context = context_length(spec, model_cfg)
-    check_budget(plans, context)
-    check_decode_eviction(plans, model_cfg, team.tp)
-    loaded, load_kwargs = load_data(plans[0], tokenizer_path(spec), context)  # before any model loads
+    context = read_model(plans, team)  # its config checked against the plans: still no weights
+    loaded, load_kwargs = load_data(plans[0], tokenizer_path(plans[0].spec), context)
     setup = configure_task(plans[0]) if writer else None
     locks = [RunLock(p.out) for p in plans] if writer else []
     try:
         for lock in locks:
             lock.acquire()
-        states = team.from_writer([classify(p, loaded) for p in plans] if writer else None)
-        for p, state in zip(plans, states):
-            p.state = state
-        open_journals(plans, open_journal, team)  # each replica's shard; TP peers: their root's records
-        left = {p.out: missing(p, loaded) for p in plans if p.state != "done"}
-        if writer:
-            announce(plans, loaded, len(evaluated(plans[0], loaded)), left)
-        todo = [p for p in plans if left.get(p.out)]
-        if todo:
+        open_runs(plans, loaded, team)
+        if todo := [p for p in plans if p.left]:
             generate(todo, load_kwargs, context, team)
         team.barrier()  # every replica has journaled its share
         team.gather_kv()
         # the last collective: every rank leaves the group together, so no rank's gloo teardown (at its exit)
         # overlaps a peer still in the group (a TP rank aborted so in CI, taking the writer with it)
         team.leave()
-        if not writer:
-            return []
-        for p in plans:
-            if p.state != "done":
-                fold_shards(p.journal)
-            if p.state == "rebuild":
-                print(f"evalkit: {p.out}: samples.jsonl is missing; rebuilding it from its journal")
-            if p.state == "rescore":
-                print(f"evalkit: {p.out}: scorer or grading settings changed; re-scoring from its journal")
-            if p.state != "done":
-                score(p, loaded, setup, context, get_tokenizer(tokenizer_path(spec)), team)
+        if writer:
+            score_all(plans, loaded, setup, context, team)
     finally:
         for p in plans:
             if p.journal is not None:
                 p.journal.close()
         for lock in locks:
             lock.release()
-    all_metrics = []
-    for p in plans:
-        if p.state == "done":
-            print(f"evalkit: {p.out} is complete; skipping (delete it to rerun)")
-        all_metrics.append(json.loads((p.out / "metrics.json").read_text()))
-        print_table(metrics_record.Metrics.from_json(all_metrics[-1]))
-    next_step(plans, team.world)
-    return all_metrics
+    return finish(plans, team) if writer else []
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="eval", version_base="1.3")

@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass, field
 
 PROMPT_SLOT = "{prompt}"  # where a task's own prompt template puts the user message
 TEMPLATE_KEY = "prompt_template"  # Sample.meta key of that template, set by tasks that have one for the model
+# Sample.meta keys the task's lm-eval hooks set on each request's doc (evalkit.task.lm_eval_hooks), read by
+# the LMs: where the question starts (query_aware=false), and the follow-up call ("module:function")
+QUESTION_KEY, FOLLOWUP_KEY = "question_start", "followup"
 
 
 def template_parts(template: str) -> tuple[str, str]:

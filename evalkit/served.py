@@ -29,8 +29,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -55,6 +56,9 @@ from evalkit.sample import TEMPLATE_KEY
 from evalkit.server import ServedError, pin_server, provenance, server_report
 from evalkit.sources import tokenizer_path
 
+if TYPE_CHECKING:
+    from evalkit.checks import RunNeeds
+
 APIS = ("completions", "chat")
 # /models entry fields that identify what is served (others, like `created`, change on every call)
 TRANSIENT = {408, 409, 425, 429}  # and every 5xx: worth another attempt; any other 4xx is final
@@ -74,13 +78,24 @@ class ServedSpec(ModelSpec):
     extra_body: dict = field(default_factory=dict)
     dtype: str | None = None  # what the server computes in is its own business
 
-    def check(self, method_name: str) -> None:
-        """Refuse a bad served conf before any data or request (ConfigError naming the setting), and resolve
-        `tokenizer` to the files it names."""
-        if method_name != "full":
+    def check(self, needs: RunNeeds) -> None:
+        """Refuse what a server cannot run and a bad served conf before any data or request (ConfigError
+        naming the setting), and resolve `tokenizer` to the files it names. query_aware=false runs: a full
+        cache is query-agnostic by nature, so its prompts go as they are (the same outputs)."""
+        if needs.multi_question:
+            raise ConfigError(
+                f"multi_question=true: model {self.name} is served (a served cache is not held between "
+                "requests): run it in process"
+            )
+        if needs.method != "full":
             raise ConfigError(
                 "a served model keeps the server's own full cache: use method=full (got "
-                f"method={method_name})"
+                f"method={needs.method})"
+            )
+        if needs.processes > 1:
+            raise ConfigError(
+                f"model {self.name} is served at {self.base_url}: its server does the parallel work; run it "
+                f"with NPROC=1 (this run started {needs.processes} processes)"
             )
         url = urlsplit(self.base_url or "")
         if url.scheme not in ("http", "https") or not url.netloc or url.query or url.fragment:
@@ -257,7 +272,8 @@ class _Served:
     async def _call(self, session, p: Prompt) -> tuple[str, dict]:
         """POST one prompt: (text as the scorer sees it, the journal's stats: tokens, finish reason,
         latency)."""
-        ids, truncated = fit_prompt(self.prompt_tokenizer, p, self.context)  # may lower p.max_new
+        ids, truncated, max_new = fit_prompt(self.prompt_tokenizer, p, self.context)
+        p = replace(p, max_new=max_new)  # a generation capped by the model context
         if truncated and self.spec.api == "chat":
             raise _Final(
                 f"{len(ids)}-token cut of a prompt longer than the context: only api=completions can cut it"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import shlex
 import statistics
 
 from omegaconf import OmegaConf
@@ -181,22 +182,38 @@ def announce(plans, loaded, n_samples: int, missing: dict) -> None:
 
 def next_step(plans, world: int = 1) -> None:
     """After the table: where it went, and the step that gives a verdict (a compressed run needs the full run
-    on the same problems; then `make report`)."""
+    on the same problems; then `make report`). Each printed command runs as printed (`make_args`)."""
     cfg = plans[0].cfg
     args = _nproc(world) + _same_args()
     for p in plans:
         print(f"evalkit: results in {p.out}/ (metrics.json, samples.jsonl, generations.jsonl)")
     compressed = plans[0].method.name != "full"
     full = plans[0].out.parents[1] / "full" / "none" / "metrics.json"
-    where = f"results_dir={cfg.results_dir}"
+    report = "make report" + make_args([f"results_dir={cfg.results_dir}"])
     if compressed and not full.exists():
         print(f"next: the full-cache reference on the same problems: make eval METHOD=full{args}")
-        print(f"      then compressed vs full, problem by problem: make report {where}")
+        print(f"      then compressed vs full, problem by problem: {report}")
     elif compressed:
-        print(f"next: compressed vs full, problem by problem: make report {where}")
+        print(f"next: compressed vs full, problem by problem: {report}")
     else:
         print(f"next: a compressed run on the same problems (make eval METHOD=snapstream BUDGET=256{args}),")
-        print(f"      then make report {where}")
+        print(f"      then {report}")
+
+
+def make_args(overrides: list[str]) -> str:
+    """` ARGS=...` handing `overrides` to a make target's command exactly as given (the Makefile forwards
+    only ARGS): each quoted for the shell that runs the recipe, `$` doubled for make, and the whole quoted for
+    the shell the line is pasted into, so nothing in a value (a `$(...)`, a glob, a space) runs or splits."""
+    if not overrides:
+        return ""
+    inner = " ".join(shlex.quote(o) for o in overrides).replace("$", "$$")
+    return f" ARGS={_pasted(inner)}"
+
+
+def _pasted(text: str) -> str:
+    """`text` as one word of the shell it is pasted into: in double quotes where nothing in it expands
+    there (readable), else in single quotes."""
+    return f'"{text}"' if not set(text) & set('"$`\\!') else shlex.quote(text)
 
 
 def _nproc(world: int) -> str:
@@ -205,7 +222,7 @@ def _nproc(world: int) -> str:
 
 
 def _same_args() -> str:
-    """` ARGS="..."` with the command line's overrides but the method's (empty outside a Hydra run)."""
+    """` ARGS=...` with the command line's overrides but the method's (empty outside a Hydra run)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
@@ -213,4 +230,4 @@ def _same_args() -> str:
     keep = [
         o for o in HydraConfig.get().overrides.task if not o.split("=")[0].lstrip("+~").startswith("method")
     ]
-    return f' ARGS="{" ".join(keep)}"' if keep else ""
+    return make_args(keep)

@@ -16,13 +16,13 @@ import hashlib
 import json
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from evalkit.errors import EvalkitError
-from evalkit.sample import Sample, Skipped
+from evalkit.sample import FOLLOWUP_KEY, QUESTION_KEY, Sample, Skipped
 
 
 class DataError(EvalkitError, RuntimeError):
@@ -160,8 +160,19 @@ def load_task(name: str, load: Callable[..., Loaded], **kwargs) -> Loaded:
     return _MEMO[key]
 
 
-def lm_eval_hooks(name: str, load: Callable[..., Loaded], score: Callable[[list[str], Sample], dict]):
-    """lm-eval's `custom_dataset` and `process_results` for a task module."""
+def lm_eval_hooks(
+    name: str,
+    load: Callable[..., Loaded],
+    score: Callable[[list[str], Sample], dict],
+    question_start: Callable[[Sample], int] | None = None,
+    no_split: str | None = None,
+    followup: Callable[..., str | None] | None = None,
+):
+    """lm-eval's `custom_dataset` and `process_results` for a task module, given its hooks: where a sample's
+    question starts (`question_start`, or why it has no such split: `no_split`) and the follow-up call its
+    load settings make (`followup`). Each request's doc carries what the LMs need of them (the question's
+    start when the run compresses before the question, the follow-up call), so `python -m evalkit` and
+    `lm_eval --model evalkit` (whose `--model_args` reach the task's metadata too) run the same requests."""
 
     register_lm_eval_model()
 
@@ -169,14 +180,31 @@ def lm_eval_hooks(name: str, load: Callable[..., Loaded], score: Callable[[list[
         from datasets import Dataset
 
         kwargs = {k: v for k, v in metadata.items() if k not in LM_EVAL_METADATA}
+        query_aware = kwargs.pop("query_aware", True)  # the run's setting, not the task's
         # lm-eval CLI: --model_args model=<conf> reaches the task's metadata; its tokenizer and prompt
         # format are the model's (`python -m evalkit` passes both itself)
         if "tokenizer" not in kwargs and isinstance(kwargs.get("model"), str):
             kwargs["tokenizer"] = kwargs["model"]
         if "prompt_format" not in kwargs and (fmt := model_prompt_format(kwargs.get("model"))):
             kwargs["prompt_format"] = fmt
+        multi = kwargs.get("multi_question", False)
+        why = ask_later_problem(name, query_aware, multi, question_start, no_split)
+        if why is None and multi and kwargs.get("prompt_format"):
+            why = f"multi_question=true: {name} renders with its own single-turn template (prompt_format="
+            why += f"{kwargs['prompt_format']}), which has no next turn: use the model's chat template"
+        if why is not None:
+            from evalkit.config import ConfigError
+
+            raise ConfigError(why)
         loaded = load_task(name, load, **kwargs)
-        return {"test": Dataset.from_list([s.to_doc() for s in loaded.samples])}
+        tags = {FOLLOWUP_KEY: followup(**kwargs) if followup else None}
+        docs = []
+        for s in loaded.samples:
+            meta = {**s.meta, **{k: v for k, v in tags.items() if v is not None}}
+            if not query_aware:
+                meta[QUESTION_KEY] = question_start(s)
+            docs.append(replace(s, meta=meta).to_doc())
+        return {"test": Dataset.from_list(docs)}
 
     def process_results(doc: dict, results: list) -> dict[str, float]:
         # with the keep_all filter lm-eval passes [[r_1, ..., r_k]] (all repeats); without it [r_1]
@@ -184,6 +212,37 @@ def lm_eval_hooks(name: str, load: Callable[..., Loaded], score: Callable[[list[
         return score(list(predictions), Sample.from_doc(doc))
 
     return custom_dataset, process_results
+
+
+def run_setting_problem(query_aware, multi_question) -> str | None:
+    """Why the run settings `query_aware` / `multi_question` cannot go together (None: they can)."""
+    for key, value in (("query_aware", query_aware), ("multi_question", multi_question)):
+        if not isinstance(value, bool):
+            return f"{key} must be true or false, got {value!r}"
+    if multi_question and query_aware:
+        return (
+            "multi_question=true asks several questions on one context compressed before any of them: it "
+            "needs query_aware=false"
+        )
+    return None
+
+
+def ask_later_problem(
+    task: str, query_aware, multi_question, question_start, no_split: str | None = None
+) -> str | None:
+    """Why a task cannot run `query_aware` / `multi_question` as set (None: it can). query_aware=false needs
+    a task whose prompt has a context before its question and that says where the question starts; a task
+    without one is refused with its own reason (`no_split`). The same words from `python -m evalkit` (before
+    any data) and `lm_eval --model evalkit` (when the task loads)."""
+    if (why := run_setting_problem(query_aware, multi_question)) is not None:
+        return why
+    if not query_aware and question_start is None:
+        why = no_split or "its module does not say where the question starts"
+        return (
+            f"query_aware=false: task {task} cannot compress its context before the question: {why}. Run it "
+            "with query_aware=true (the default)"
+        )
+    return None
 
 
 def register_lm_eval_model() -> None:

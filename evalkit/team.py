@@ -262,18 +262,6 @@ class Team:
         """` [rank r/N]` for a message of a multi-process run (empty for one process)."""
         return f" [rank {self.ranks.rank}/{self.world}]" if self.world > 1 else ""
 
-    def check_model(self, spec) -> None:
-        """A served model (`base_url`) generates behind its own server: several evalkit processes would each
-        send every request to it. Refused before anything loads."""
-        from evalkit.config import ConfigError
-
-        if self.world > 1 and getattr(spec, "base_url", None) is not None:
-            raise ConfigError(
-                f"model {spec.name} is served at {spec.base_url}: its server does the parallel work; run it "
-                f"with NPROC=1 (this run started {self.world} processes)"
-            )
-
-    # --- deciding together ----------------------------------------------------------------------------------
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()

@@ -64,14 +64,14 @@ def load(spec, team: Team):
 def measure(model, args, name: str, settings: dict, team: Team) -> dict:
     from transformers import GenerationConfig
 
-    from evalkit.engine import Engine, Request
+    from evalkit.engine import Engine, ask
     from evalkit.kv.config import make_method
 
     method = make_method(name, **settings)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
     reqs = [
-        Request(str(i), torch.randint(3, vocab, (args.tokens,), generator=g).tolist(), args.new, method,
+        ask(str(i), torch.randint(3, vocab, (args.tokens,), generator=g).tolist(), args.new, method,
                 GenerationConfig(do_sample=False), seed=i)
         for i in range(args.rows)
     ]  # fmt: skip

@@ -84,15 +84,15 @@ def planned_folder(results, *overrides: str) -> Path:
     return runner.plan(compose(overrides=[*overrides, f"results_dir={results}"])).out
 
 
-def fresh_run(*overrides: str, results):
+def fresh_run(*overrides: str, results, team=None):
     """`python -m evalkit <overrides> results_dir=<results>` in this process, as a new process would run it
-    (the in-process data memo cleared first)."""
+    (the in-process data memo cleared first); `team`: the run's processes as this one sees them."""
     import evalkit.run as runner
     import evalkit.task
     from evalkit.config import compose
 
     evalkit.task._MEMO.clear()
-    return runner.run(compose(overrides=[*overrides, f"results_dir={results}"]))
+    return runner.run(compose(overrides=[*overrides, f"results_dir={results}"]), team)
 
 
 def the_run(results, method: str, tag: str) -> Path:

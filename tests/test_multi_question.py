@@ -86,23 +86,49 @@ def test_longbench_items_sharing_a_document_are_one_conversation():
     ]
 
 
-def test_a_run_killed_mid_conversation_resumes_with_nothing_lost_or_duplicated(tmp_path):
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    """An uninterrupted run, and the same run killed after its second journal line (niah_single_1's one
+    question, then the first of niah_multikey_2's four), then resumed: (whole folder, resumed folder, the
+    kill, the killed journal)."""
+    tmp_path = tmp_path_factory.mktemp("resume")
     whole = tmp_path / "whole"
     run(*RULER, results=whole)
-    expected = {r["key"]: r["text"] for r in lines(planned_folder(whole, *RULER))}
     killed = tmp_path / "killed"
-    # two journal lines: niah_single_1's one question, then the first of niah_multikey_2's four
     done = killed_run(RULER, killed, after=2)
-    assert done.returncode == -9, done.stderr[-2000:]
     out = planned_folder(killed, *RULER)
-    assert [r["stats"]["turn"] for r in lines(out)] == [0, 0]
+    at_kill = lines(out) if (out / "generations.jsonl").exists() else []
     run(*RULER, results=killed)
+    return planned_folder(whole, *RULER), out, done, at_kill
+
+
+def test_a_run_killed_mid_conversation_resumes_with_nothing_lost_or_duplicated(killed_and_resumed):
+    whole, out, done, at_kill = killed_and_resumed
+    expected = {r["key"]: r["text"] for r in lines(whole)}
+    assert done.returncode == -9, done.stderr[-2000:]
+    assert [r["stats"]["turn"] for r in at_kill] == [0, 0]
     got = lines(out)
     assert len(got) == len({r["key"] for r in got}) == 5  # nothing asked twice
     assert {r["key"]: r["text"] for r in got} == expected  # the resumed conversation answers as the whole one
     assert len(set(expected.values())) == 5  # sampled answers: a cache rebuilt wrong would show
     counts = json.loads((out / "metrics.json").read_text())
     assert json.dumps(counts).count('"generated_now": 3') == 1
+
+
+def test_a_resumed_conversation_ends_with_the_uninterrupted_runs_figures(killed_and_resumed):
+    """A resumed conversation feeds its answered turns back, but each turn still counts what an
+    uninterrupted run counts (its prompt: the context and question for the first, its own question after):
+    the same generation and KV figures but the clock (issue 31.6: mean prompt tokens differed)."""
+    whole, out, _, _ = killed_and_resumed
+    a, b = (json.loads((f / "metrics.json").read_text()) for f in (whole, out))
+    clock = {"wall_time_s", "from_journal", "generated_now"}
+    assert {k: v for k, v in b["generation"].items() if k not in clock} == {
+        k: v for k, v in a["generation"].items() if k not in clock
+    }
+    assert b["kv"] == a["kv"]
+    timing = {"wall_s", "tokens_per_s"}
+    figures = {r["key"]: {k: v for k, v in r["stats"].items() if k not in timing} for r in lines(whole)}
+    assert {r["key"]: {k: v for k, v in r["stats"].items() if k not in timing} for r in lines(out)} == figures
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 import evalkit.run as runner
 from evalkit.config import ConfigError, compose
-from evalkit.engine import Engine, Request
+from evalkit.engine import Conversation, Engine, ask
 from evalkit.identity import hashes
 from evalkit.kv import Full, KVCache, SnapKV, SnapStream
 from evalkit.request import Prompt, generation_config, question_tokens
@@ -33,9 +33,9 @@ def journal(folder) -> dict:
     return {r["key"]: r for r in map(json.loads, lines)}
 
 
-def request(ids, method, forced=(), max_new=6) -> Request:
+def request(ids, method, forced=(), max_new=6) -> Conversation:
     cfg = generation_config({}, max_new, eos=[], pad=0)
-    return Request("k", list(ids), max_new, method, cfg, 0, keep_logits=True, forced=list(forced))
+    return ask("k", list(ids), max_new, method, cfg, 0, keep_logits=True, forced=list(forced))
 
 
 # --- the engine feeds forced tokens as decoded ones -----------------------------------------------------
@@ -185,10 +185,8 @@ def test_the_compiled_step_feeds_the_question_as_the_eager_one():
     def reqs():
         return [request(ids[:-15], m, forced=ids[-15:], max_new=5) for ids, m in zip(prompts, methods)]
 
-    eager = {
-        d.request.key + str(i): d.tokens for i, d in enumerate(Engine(model, None, [], rows=3).run(reqs()))
-    }
+    eager = {d.key + str(i): d.tokens for i, d in enumerate(Engine(model, None, [], rows=3).run(reqs()))}
     backend = Counting()
     compiled = Engine(model, None, [], rows=3, compile=backend).run(reqs())
-    assert {d.request.key + str(i): d.tokens for i, d in enumerate(compiled)} == eager
+    assert {d.key + str(i): d.tokens for i, d in enumerate(compiled)} == eager
     assert backend.compiled == 1

@@ -45,11 +45,11 @@ def aime_like_prompts(tokenizer, n: int) -> list[list[int]]:
 
 def requests(prompts: list[list[int]], lengths: list[int], method) -> list:
     """Greedy requests of forced lengths (no EOS: the engine gets none)."""
-    from evalkit.engine import Request
-    from evalkit.lm import generation_config
+    from evalkit.engine import ask
+    from evalkit.request import generation_config
 
     return [
-        Request(f"r{i}", ids, n, method, generation_config({}, n, [], 0), seed=i)
+        ask(f"r{i}", ids, n, method, generation_config({}, n, [], 0), seed=i)
         for i, (ids, n) in enumerate(zip(prompts, lengths, strict=True))
     ]
 
@@ -62,7 +62,7 @@ def decode_all(model, reqs: list, rows: int, continuous: bool) -> tuple[dict, di
         model, None, eos_ids=[], rows=rows, continuous=continuous
     )  # no stop strings: no tokenizer
     start = time.perf_counter()
-    tokens = {done.request.key: done.tokens for done in engine.run(reqs)}
+    tokens = {done.key: done.tokens for done in engine.run(reqs)}
     wall = time.perf_counter() - start
     total = sum(len(t) for t in tokens.values())
     row = {

@@ -82,7 +82,7 @@ def generate(
     row's. `compile=True`: the decode step compiled (`compile_config` unless `gen_kwargs` has a
     `compile_config`).
     """
-    from evalkit.engine import Engine, Request
+    from evalkit.engine import Engine, ask
 
     compiled = gen_kwargs.pop("compile_config", None) or compile_config(model)
     if compile and gen_kwargs.get("prefill_chunk_size") is not None:
@@ -94,7 +94,7 @@ def generate(
     eos = [eos] if isinstance(eos, int) else list(eos)
     seeds = torch.randint(0, 2**62, (len(input_ids),)).tolist() if config.do_sample else [0] * len(input_ids)
     requests = [
-        Request(
+        ask(
             str(r),
             row[mask.bool()].tolist(),
             config.max_new_tokens,
@@ -108,7 +108,7 @@ def generate(
         for r, (row, mask) in enumerate(zip(input_ids, attention_mask))
     ]
     engine = Engine(model, None, eos, len(requests), compile=compiled if compile else False)
-    done = sorted(engine.run(requests), key=lambda d: d.request.tag)
+    done = sorted(engine.run(requests), key=lambda d: d.tag)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos or [0])[0]
     sequences = _padded([d.tokens for d in done], pad, input_ids)
     stats = batch_stats(done, engine)

@@ -192,5 +192,10 @@ def whole_text(prediction: str, answer: str) -> bool:
     return verdict is not None and verdict[0]
 
 
-custom_dataset, process_results = lm_eval_hooks(TASK, load, score)
+def score_keys(repeats: int) -> set[str]:
+    """The metrics `score` returns."""
+    return {"pass@1", "cons@k", "no_box", "thinking_truncated", "judge_timeout", "lighteval_pass@1"}
+
+
+custom_dataset, process_results = lm_eval_hooks(TASK, load, score, no_split=NO_QUESTION_SPLIT)
 __all__ = ["load", "score", "custom_dataset", "process_results", "keep_all"]

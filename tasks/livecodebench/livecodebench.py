@@ -288,5 +288,11 @@ def score(predictions: list[str], sample: Sample) -> dict[str, float]:
     return score_many([(predictions, sample)])[0]
 
 
-custom_dataset, process_results = lm_eval_hooks(TASK, load, score)
+def score_keys(repeats: int) -> set[str]:
+    """The metrics `score` returns for `repeats` predictions a problem: `metrics`' own keys (pass@k for each
+    k it reports, `outcome`), without their breakdowns."""
+    return {key.partition("/")[0] for key in metrics(["passed"] * repeats, "easy")}
+
+
+custom_dataset, process_results = lm_eval_hooks(TASK, load, score, no_split=NO_QUESTION_SPLIT)
 __all__ = ["load", "score", "score_many", "configure", "custom_dataset", "process_results", "keep_all"]

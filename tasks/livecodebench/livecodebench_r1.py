@@ -68,6 +68,6 @@ def load(
     return lcb.load(source, n, seed, release, start_date, end_date, max_new_tokens, make=r1_sample)
 
 
-score, score_many = lcb.score, lcb.score_many
-custom_dataset, process_results = lm_eval_hooks(TASK, load, score)
+score, score_many, score_keys = lcb.score, lcb.score_many, lcb.score_keys
+custom_dataset, process_results = lm_eval_hooks(TASK, load, score, no_split=NO_QUESTION_SPLIT)
 __all__ = ["load", "score", "score_many", "configure", "custom_dataset", "process_results", "keep_all"]

@@ -191,6 +191,12 @@ def cot_followup(sample: Sample, first_output: str) -> Sample:
     return replace(sample, prompt=prompt, max_new_tokens=ANSWER_TOKENS, meta={**sample.meta, "cot": cot})
 
 
+def followup(mode: str = "0shot", **_) -> str | None:
+    """The second call these load settings make after each first one: CoT's answer call (`cot_followup`,
+    "module:function", run by the evalkit LMs on a full cache), none in 0-shot."""
+    return "tasks.longbench_v2.longbench_v2:cot_followup" if mode == "cot" else None
+
+
 def question_start(sample: Sample) -> int:
     """query_aware=false: the question block starts right after the document (`</text>\n\n` closes it, on
     the context side); the question, its choices and the answer-format line (0shot) or "Let's think step by
@@ -236,5 +242,12 @@ def score(predictions: list[str], sample: Sample) -> dict[str, float]:
     }
 
 
-custom_dataset, process_results = lm_eval_hooks(TASK, load, score)
+def score_keys(repeats: int) -> set[str]:
+    """The metrics `score` returns (breakdowns: `<metric>/<easy|hard|short|medium|long>`)."""
+    return {"accuracy", "compensated", "no_answer"}
+
+
+custom_dataset, process_results = lm_eval_hooks(
+    TASK, load, score, question_start=question_start, followup=followup
+)
 __all__ = ["load", "score", "custom_dataset", "process_results", "keep_all"]

@@ -214,5 +214,10 @@ def score(predictions: list[str], sample: Sample) -> dict[str, float]:
     return scores | {"no_answer": empty}
 
 
-custom_dataset, process_results = lm_eval_hooks("ruler", load, score)
+def score_keys(repeats: int) -> set[str]:
+    """The metrics `score` returns (its breakdowns are `score/<task>`, `score/<length>`)."""
+    return {"score"}
+
+
+custom_dataset, process_results = lm_eval_hooks("ruler", load, score, question_start=question_start)
 __all__ = ["load", "score", "custom_dataset", "process_results", "keep_all"]

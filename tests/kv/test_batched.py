@@ -6,7 +6,7 @@ a batch."""
 import pytest
 import torch
 
-from evalkit.engine import Engine, Request
+from evalkit.engine import Engine, ask
 from evalkit.kv import Full, KVCache, SnapKV, SnapStream, StreamingLLM, generate
 from evalkit.kv.pool import SlotPool
 from tests.conftest import tiny_model
@@ -31,7 +31,7 @@ def decoded_pool(model, prompts, method, new: int) -> SlotPool:
     """The engine's pool after decoding each prompt in its own row (row r = prompt r: all end together)."""
     config = model.generation_config
     engine = Engine(model, None, [], len(prompts))
-    reqs = [Request(str(r), p.tolist(), new, method, config, 0) for r, p in enumerate(prompts)]
+    reqs = [ask(str(r), p.tolist(), new, method, config, 0) for r, p in enumerate(prompts)]
     list(engine.run(reqs))
     return engine.pool
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from evalkit.config import ConfigError
-from evalkit.engine import Engine, Request
+from evalkit.engine import Engine, ask
 from evalkit.kv import H2O, SnapKVDecode, generate
 from evalkit.kv import attention as kv_attention
 from evalkit.kv.config import make_method
@@ -160,7 +160,7 @@ def sharp_model(arch: str, seed: int, gain: float = 3.0):
 
 def engine_decode(model, prompt, method, new=NEW):
     engine = Engine(model, None, [], 1)
-    req = Request("0", prompt.tolist(), new, method, model.generation_config, 0, min_new=new)
+    req = ask("0", prompt.tolist(), new, method, model.generation_config, 0, min_new=new)
     (done,) = engine.run([req])
     return done, engine
 

@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from evalkit.engine import Engine, Request
+from evalkit.engine import Engine, Inbox, ask
 from evalkit.kv import Full, KVCache, SnapKV, SnapStream, StreamingLLM, generate
 from evalkit.kv.prefill import PrefillRecord
 from evalkit.request import generation_config
@@ -57,7 +57,7 @@ def alone(model, ids, method, sample, seed, new=NEW):
 
 def engine_run(model, requests, rows, **kw):
     engine = Engine(model, Tok(), [0], rows, **kw)
-    return {d.request.key: d for d in engine.run(requests)}, engine
+    return {d.key: d for d in engine.run(requests)}, engine
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
@@ -68,7 +68,7 @@ def test_every_request_decodes_as_generate_alone(arch, sample):
     for method in METHODS:
         want = [alone(model, x, method, sample, 100 + i) for i, x in enumerate(ids)]
         for rows in (1, 3):
-            reqs = [Request(str(i), x, NEW, method, settings(sample), 100 + i) for i, x in enumerate(ids)]
+            reqs = [ask(str(i), x, NEW, method, settings(sample), 100 + i) for i, x in enumerate(ids)]
             got, _ = engine_run(model, reqs, rows)
             assert [got[str(i)].tokens for i in range(len(ids))] == want, (method, rows)
 
@@ -92,9 +92,9 @@ def test_min_new_tokens_and_logits_as_transformers():
             return_dict_in_generate=True,
         )
     engine = Engine(model, Tok(), [free[at]], 2)
-    reqs = [Request("min", ids, NEW, method, config, 0, min_new=12, keep_logits=True)]
-    reqs.append(Request("free", ids, NEW, method, config, 0))
-    got = {d.request.key: d for d in engine.run(reqs)}
+    reqs = [ask("min", ids, NEW, method, config, 0, min_new=12, keep_logits=True)]
+    reqs.append(ask("free", ids, NEW, method, config, 0))
+    got = {d.key: d for d in engine.run(reqs)}
     assert got["free"].tokens == free[: at + 1] and got["free"].ended == "eos" and got["free"].logits is None
     assert got["min"].tokens == want.sequences[0, len(ids) :].tolist() and len(got["min"].tokens) >= 12
     assert len(got["min"].logits) == len(want.logits)
@@ -123,7 +123,7 @@ def test_finished_rows_are_refilled_at_once_and_static_batching_idles():
 
     def reqs():
         return [
-            Request(str(i), x, n, SnapStream(budget=64, recent=16, window=8), settings(False, n), i)  # noqa: E731
+            ask(str(i), x, n, SnapStream(budget=64, recent=16, window=8), settings(False, n), i)  # noqa: E731
             for i, (x, n) in enumerate(zip(ids, limits))
         ]
 
@@ -153,7 +153,7 @@ def test_a_prompts_budgets_share_one_prefill_and_decode_side_by_side(monkeypatch
     monkeypatch.setattr(model, "forward", counting)
     record = PrefillRecord(window=32)
     reqs = [
-        Request(
+        ask(
             str(n),
             ids,
             NEW,
@@ -185,7 +185,7 @@ def compiled_equals_eager(arch: str, limits: list[int], min_steps: int):
 
     def reqs():
         return [
-            Request(str(i), x, n, methods[i % 2], settings(False, n), i)  # noqa: E731
+            ask(str(i), x, n, methods[i % 2], settings(False, n), i)  # noqa: E731
             for i, (x, n) in enumerate(zip(ids, limits))
         ]
 
@@ -215,7 +215,7 @@ def test_a_stop_string_ends_the_request_where_it_first_appears():
     text = Tok().batch_decode(torch.tensor([free]))[0]
     stop = text[12:15]  # three letters the free generation spells at tokens 12-14 (or earlier)
     end = text.index(stop) + len(stop)
-    req = Request("s", ids, 40, method, settings(False, 40), 0, until=[stop])
+    req = ask("s", ids, 40, method, settings(False, 40), 0, until=[stop])
     got, _ = engine_run(model, [req], rows=2)
     assert got["s"].ended == "stop" and got["s"].tokens == free[:end]
 
@@ -242,10 +242,10 @@ def test_a_request_ends_at_the_first_eos_it_emits_of_the_merged_ids():
     assert eos == sorted({later, never, free[step]})
     for rows in (1, 2):
         reqs = [
-            Request("e", ids, 40, method, settings(False, 40), 0),
-            Request("f", ids[:90], 40, method, settings(False, 40), 1),
+            ask("e", ids, 40, method, settings(False, 40), 0),
+            ask("f", ids[:90], 40, method, settings(False, 40), 1),
         ]
-        got = {d.request.key: d for d in Engine(model, Tok(), eos, rows).run(reqs)}
+        got = {d.key: d for d in Engine(model, Tok(), eos, rows).run(reqs)}
         assert got["e"].ended == "eos" and got["e"].tokens == free[: step + 1], rows
         assert got["e"].stats["output_tokens"] == step + 1 and not got["e"].stats["hit_limit"]
 
@@ -273,3 +273,26 @@ def test_a_pools_row_figures_are_each_requests_own():
             for cache in alone:
                 model(token, cache=cache)
     assert pool.row_stats() == [c.row_stats()[0] for c in alone]
+
+
+def test_a_conversation_put_while_the_engine_decodes_takes_a_free_row_and_decodes_as_alone():
+    """The engine takes conversations from its inbox between decode steps: one that arrives while others
+    decode (as a server's requests would) takes the next free row and decodes as it would alone."""
+    model = tiny_model("llama", seed=3)
+    ids = prompts()
+    method = SnapStream(budget=64, recent=16, window=8)
+    inbox = Inbox(
+        [
+            ask("long", ids[0], NEW, method, settings(False), 0),
+            ask("short", ids[1], 6, method, settings(False, 6), 1),
+        ]
+    )
+    engine = Engine(model, Tok(), [0], rows=2)
+    got = {}
+    for done in engine.run(inbox):
+        got[done.key] = done
+        if done.key == "short":  # "long" is mid-decode: the new one takes the row "short" left
+            inbox.put(ask("late", ids[2], 8, method, settings(False, 8), 2))
+    assert got["late"].tokens == alone(model, ids[2], method, False, 2, new=8)
+    assert got["long"].tokens == alone(model, ids[0], method, False, 0)
+    assert engine.steps < NEW + 8  # "late" decoded beside "long", not after it

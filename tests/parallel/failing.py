@@ -42,11 +42,11 @@ if here == int(rank) and how == "kill":
 if here == int(rank) and how == "raise":
     step = engine.Engine._step
 
-    def failing_step(self, live, last):
+    def failing_step(self, *args):
         count[0] += 1
         if count[0] == int(after):
             raise RuntimeError(f"injected failure on rank {rank}")
-        yield from step(self, live, last)
+        yield from step(self, *args)
 
     engine.Engine._step = failing_step
 

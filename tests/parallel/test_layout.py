@@ -205,12 +205,13 @@ def test_the_layout_is_no_part_of_a_runs_identity():
 
 
 def test_a_served_model_is_refused_under_several_processes():
+    from evalkit.checks import RunNeeds
     from evalkit.served import ServedSpec
 
     spec = ServedSpec(name="served", base_url="http://127.0.0.1:8000/v1", tokenizer="smollm2_135m")
-    Team.single().check_model(spec)  # one process: fine
+    spec.check(RunNeeds("full", "ruler"))  # one process: fine
     with pytest.raises(ConfigError) as e:
-        Team(Ranks(tp=2, rank=1)).check_model(spec)
+        spec.check(RunNeeds("full", "ruler", processes=2))
     assert str(e.value) == (
         "model served is served at http://127.0.0.1:8000/v1: its server does the parallel work; run it with "
         "NPROC=1 (this run started 2 processes)"

@@ -45,7 +45,7 @@ def observe(arch: str, methods: dict = METHODS, team=None) -> dict:
     "margin": smallest greedy top-2 logit margin}} on this process of `team` (one process by default)."""
     from transformers import GenerationConfig
 
-    from evalkit.engine import Engine, Request
+    from evalkit.engine import Engine, ask
     from evalkit.kv import KVCache
     from evalkit.kv.config import make_method
     from evalkit.loading import load_model
@@ -69,10 +69,10 @@ def observe(arch: str, methods: dict = METHODS, team=None) -> dict:
         for mode, gen in SAMPLING.items():
             engine = Engine(model, tokenizer, eos_ids=[], rows=2, team=team)
             reqs = [
-                Request(str(i), ids, 12, method, GenerationConfig(**gen), seed=100 + i, keep_logits=True)
+                ask(str(i), ids, 12, method, GenerationConfig(**gen), seed=100 + i, keep_logits=True)
                 for i, ids in enumerate(prompts())
             ]
-            done = sorted(engine.run(reqs), key=lambda d: d.request.key)
+            done = sorted(engine.run(reqs), key=lambda d: d.key)
             tokens[mode] = [d.tokens for d in done]
             if mode == "greedy":
                 top2 = [x.topk(2).values for d in done for x in d.logits]

@@ -293,14 +293,24 @@ def test_an_unparsable_json_line_is_a_skipped_row_named_by_file_and_line(tmp_pat
     assert len(loaded.samples) == len(rows)
 
 
-def test_a_headline_naming_no_metric_is_named_and_the_fix_rescores_without_the_model(
+def test_a_headline_naming_no_metric_is_refused_before_the_model_loads(tmp_path, no_model):
+    """The task declares its metrics (`score_keys`): a headline naming none is refused before anything loads
+    (issue 31.10: it was refused only after every sample had been generated)."""
+    with pytest.raises(
+        ConfigError, match=r"task.headline='scroe' names no metric of task ruler \(its metrics: score, and "
+    ):
+        run(*RULER, "method.budget=64", "task.headline=scroe", results=tmp_path)
+    assert not folder(tmp_path).exists()  # nothing generated, nothing written
+
+
+def test_a_breakdown_headline_no_sample_scored_is_named_and_the_fix_rescores_without_the_model(
     tmp_path, no_model, monkeypatch
 ):
     monkeypatch.undo()  # the first run needs the model
     with pytest.raises(
-        ConfigError, match=r"task.headline='scroe' names no metric of task ruler \(its metrics: "
+        ConfigError, match=r"task.headline='score/nope' names no metric of task ruler \(its metrics: "
     ):
-        run(*RULER, "method.budget=64", "task.headline=scroe", results=tmp_path)
+        run(*RULER, "method.budget=64", "task.headline=score/nope", results=tmp_path)
     assert not (folder(tmp_path) / "metrics.json").exists()
     monkeypatch.setattr(runner, "get_model", lambda spec: pytest.fail("loaded"))
     m = run(*RULER, "method.budget=64", results=tmp_path)[0]  # every generation was journaled
@@ -404,7 +414,7 @@ def test_a_run_says_what_it_evaluates_where_it_lands_and_what_comes_next(tmp_pat
     run(*RULER, "method.budget=64", results=tmp_path)
     said = capsys.readouterr().out
     assert f"  -> {out}  (complete: skipped)" in said
-    assert f"next: compressed vs full, problem by problem: make report results_dir={tmp_path}" in said
+    assert f'next: compressed vs full, problem by problem: make report ARGS="results_dir={tmp_path}"' in said
 
 
 def test_skipped_rows_are_listed_when_the_run_starts(tmp_path, capsys):

@@ -57,3 +57,38 @@ def test_cli_keeps_only_the_limit_warning_and_writes_kv_figures(tmp_path):
     assert ek["method"]["name"] == "snapstream" and ek["method"]["budget"] == 64
     assert ek["kv"]["peak_entries"] == 64 and 0 < ek["kv"]["kept_fraction"] < 0.1
     assert ek["generation"]["requests"] == 2
+
+
+def test_cli_runs_the_run_settings_it_is_given_or_refuses_them_in_one_line(tmp_path):
+    """`query_aware` / `multi_question` in `--model_args` reach the model and the task (they used to load the
+    model, then fail as an unknown method setting); in `--metadata` alone they reach the task, which refuses
+    what cannot run in one line (multi_question without query_aware=false was silently ignored)."""
+    meta = {
+        "tokenizer": "smollm2_135m",
+        "n": 1,
+        "lengths": [1024],
+        "tasks": ["niah_single_1", "niah_multikey_2"],
+    }
+    base = [
+        sys.executable, "-m", "lm_eval", "run", "--model", "evalkit", "--include_path", str(ROOT / "tasks"),
+        "--tasks", "evalkit_ruler", "--gen_kwargs", "max_gen_toks=4",
+    ]  # fmt: skip
+    args = "model=tiny_llama,method=snapkv,budget=64,query_aware=false,multi_question=true"
+    cmd = [*base, "--model_args", args, "--metadata", json.dumps(meta), "--output_path", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ek = json.loads(next(tmp_path.rglob("results_*.json")).read_text())["config"]["evalkit"]
+    assert ek["generation"]["requests"] == 5  # niah_multikey_2's four questions on one compressed context
+    cmd = [
+        *base,
+        "--model_args",
+        "model=tiny_llama",
+        "--metadata",
+        json.dumps(meta | {"multi_question": True}),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "lm_eval --model evalkit: error: multi_question=true asks several questions on one context "
+        "compressed before any of them: it needs query_aware=false"
+    )

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 import evalkit.run as runner
+from evalkit import checks
 from evalkit.config import ConfigError, compose
-from evalkit.sources import model_config, resolve_source
+from evalkit.team import Ranks, Team
 from tests.conftest import fresh_run
 
 SMALL = ["limit=1", "model.max_new_tokens=4", "task.load.n=1", "task.load.lengths=[1024]"]
@@ -19,11 +20,11 @@ def no_model(monkeypatch):
 
 
 def checked(tmp_path, *overrides: str, tp: int = 1) -> None:
-    """check_decode_eviction on the plans and model config `python -m evalkit <overrides>` would use, under
-    `tp`-way tensor parallelism."""
-    plans = runner.plans_for(compose(overrides=[*overrides, f"results_dir={tmp_path}"]))
-    spec = plans[0].spec
-    runner.check_decode_eviction(plans, model_config(spec, resolve_source(spec)), tp)
+    """The checks on the model's config (no weights) for the plans `python -m evalkit <overrides>` would
+    use, under `tp`-way tensor parallelism."""
+    runner.read_model(
+        runner.plans_for(compose(overrides=[*overrides, f"results_dir={tmp_path}"])), Team(Ranks(tp=tp))
+    )
 
 
 def test_snapkv_decode_on_an_mla_model_is_refused(tmp_path):
@@ -49,6 +50,9 @@ def test_a_task_with_a_followup_call_is_refused(tmp_path, method):
     checked(tmp_path, "task=longbench_v2", f"method={method}", "model=tiny_llama")  # 0-shot: one call
 
 
-def test_followups_are_read_from_the_task_yaml(tmp_path):
-    assert runner.has_followup(compose(overrides=["task=longbench_v2_cot"]))
-    assert not runner.has_followup(compose(overrides=["task=longbench_v2"]))
+def test_followups_are_declared_by_the_task_module(tmp_path):
+    def followup(task: str) -> bool:
+        p = runner.plan(compose(overrides=[f"task={task}", f"results_dir={tmp_path}"]))
+        return checks.has_followup(p.cfg, p.task_module)
+
+    assert followup("longbench_v2_cot") and not followup("longbench_v2") and not followup("ruler")

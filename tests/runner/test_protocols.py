@@ -40,7 +40,7 @@ def scripted(monkeypatch):
 
         def result(self, done):
             _, stats = real(self, done)
-            p = done.request.tag.prompt
+            p = done.tag.prompt
             return script(p.sample, int(p.key.rsplit("/", 1)[1])), stats
 
         monkeypatch.setattr(EvalkitLM, "_result", result)

@@ -268,3 +268,33 @@ def test_hub_reads_pinned_data_json_and_checks_its_hash(tmp_path, monkeypatch):
     assert calls == [("THUDM/LongBench-v2", "data.json", {"repo_type": "dataset", "revision": lb.REVISION})]
     monkeypatch.setattr(lb, "DATA_SHA256", hashlib.sha256((tmp_path / "data.json").read_bytes()).hexdigest())
     assert lb.load(source="hub").source == f"hub:THUDM/LongBench-v2@{lb.REVISION}"
+
+
+def test_the_answer_call_reads_the_first_output_as_produced_through_the_lm(tmp_path, monkeypatch):
+    """The same through the LM itself (issue 31.14): an R1 template opens the thinking block in the prompt,
+    the engine generates the first call, and the follow-up turn builds the answer call from it: `$COT$` is
+    the output as the model produced it, while the journal keeps the scorer's view (`<think>\n` put back)."""
+    import copy
+    from types import SimpleNamespace
+
+    from evalkit.config import model_spec
+    from evalkit.journal import Journal
+    from evalkit.lm import EvalkitLM
+    from evalkit.loading import load_model
+
+    model, tok = load_model(model_spec("tiny_llama"))
+    tok = copy.deepcopy(tok)
+    tok.chat_template = R1_CHAT
+    doc = lb.custom_dataset(source=_write([row()], tmp_path), mode="cot")["test"][0]
+    seen, real = [], lb.cot_followup
+    monkeypatch.setattr(lb, "cot_followup", lambda s, out: seen.append(out) or real(s, out))
+    journal = Journal(tmp_path / "generations.jsonl")
+    lm = EvalkitLM(model="tiny_llama", hf_model=model, tokenizer=tok, journal=journal)
+    gen = {"until": [], "max_gen_toks": 12}  # the doc says a follow-up comes (the task's `followup` hook)
+    req = SimpleNamespace(args=("", gen), doc=doc, task_name="evalkit_longbench_v2_cot", doc_id=0, idx=0)
+    (text,) = lm.generate_until([req], disable_tqdm=True)
+    (rec,) = journal.records.values()
+    first = rec["stats"]["first_output"]
+    assert first.startswith("<think>\n") and rec["text"] == text  # the scorer's view of the first call
+    assert seen == [first.removeprefix("<think>\n")] and not seen[0].startswith("<think>")
+    assert rec["stats"]["followup_method"] == "full" and rec["stats"]["prompt_tokens"] > 50

@@ -113,7 +113,7 @@ def test_a_truncated_prompt_keeps_its_question_tokens(tok):
     text = sample_prompt(tok, s)
     p = Prompt("k", text, 8, {}, s, question_at=question_offset(text, s, lb.question_start(s)))
     whole = tok(text, add_special_tokens=False)["input_ids"]
-    ids, truncated = fit_prompt(tok, p, context=len(whole) // 2)
+    ids, truncated, _ = fit_prompt(tok, p, context=len(whole) // 2)
     n = question_tokens(tok, p, ids)
     assert truncated and n == question_tokens(tok, p, whole)
     assert tok.decode(ids[-n:]) == text[p.question_at :]
