@@ -1,5 +1,5 @@
 """A full (uncompressed) transformers cache whose entries a storage holds: `model.generate(ids,
-past_key_values=StoredCache(storage, model))`.
+cache=StoredCache.for_model(storage, model))`.
 
 This is the storage's reference path, the one transformers' own `QuantizedCache` is compared with: prefill
 attends over the prompt's K/V as computed (as transformers' and KIVI's prefill do), then the storage holds
