@@ -26,10 +26,10 @@ def keys_like(shape, seed=0, dtype=torch.float32):
 
 # --- the reference: KIVI's group quantization in float64, written from the paper and quant/new_pack.py ------
 def kivi_reference(x: torch.Tensor, group: int, bits: int, per_channel: bool):
-    """(codes, dequantized) in float64. Keys (per_channel): KIVI transposes to (B, H, D, T) and groups the last
-    axis; values: groups of the channel axis per token. scale = (mx - mn) / (2^bits - 1); data = (x - mn) /
-    scale clamped to [0, 2^bits - 1] and rounded; read back as data * scale + mn. Scale and mn are held in the
-    input's dtype (KIVI: fp16, the model's)."""
+    """(codes, dequantized, unrounded codes) in float64. Keys (per_channel): KIVI transposes to (B, H, D, T)
+    and groups the last axis; values: groups of the channel axis per token. scale = (mx - mn) / (2^bits - 1);
+    data = (x - mn) / scale clamped to [0, 2^bits - 1] and rounded; read back as data * scale + mn. Scale and
+    mn are held in the input's dtype (KIVI: fp16, the model's)."""
     d = x.double().transpose(-1, -2) if per_channel else x.double()  # groups run along the last axis
     d = d.unflatten(-1, (-1, group))
     mn, mx = d.amin(-1, keepdim=True), d.amax(-1, keepdim=True)
@@ -242,7 +242,7 @@ def test_memory_geometry_with_storage():
     assert fp8.sequence_bytes(4096, heads=1) == 32 * (4096 * 32 + 2 * 4)  # one TP rank's head
 
 
-# --- the conf group and what a storage refuses ---------------------------------------------------------------
+# --- the conf group and what a storage refuses -------------------------------------------------------------
 def test_every_conf_makes_its_storage():
     assert choices("kv") == ["fp8_e4m3", "fp8_e5m2", "int2", "int4", "int8", "none"]
     for name in choices("kv"):

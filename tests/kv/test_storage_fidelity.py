@@ -1,6 +1,6 @@
-"""KV storages against upstream's: fp8 is token-equal (and logit-equal) to transformers' `QuantizedCache(backend=
-"fp8")` on the embedded SmolLM2 through a greedy decode; KIVI's group quantizer equals optimum-quanto's (what
-transformers' quanto-backed `QuantizedCache` runs) where the two coincide."""
+"""KV storages against upstream's: fp8 is token-equal (and logit-equal) to transformers'
+`QuantizedCache(backend="fp8")` on the embedded SmolLM2 through a greedy decode; KIVI's group quantizer equals
+optimum-quanto's (what transformers' quanto-backed `QuantizedCache` runs) where the two coincide."""
 
 import pytest
 import torch
@@ -21,8 +21,8 @@ def greedy(model, ids, cache, new=24):
 
 
 def test_fp8_token_equal_to_transformers_quantized_cache(smollm2):
-    """Full cache, fp8 e4m3 with transformers' per-tensor scale: the prompt calibrates, decode tokens are coded
-    with the frozen scale, attention reads everything dequantized (the current token included)."""
+    """Full cache, fp8 e4m3 with transformers' per-tensor scale: the prompt calibrates, decode tokens are
+    coded with the frozen scale, attention reads everything dequantized (the current token included)."""
     model, tok = smollm2
     ids = tok.apply_chat_template(
         [{"role": "user", "content": PROMPT}],
