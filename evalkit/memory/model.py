@@ -9,6 +9,7 @@ Formulas (per token, all layers; see /work/shared/spec/sn40l.md):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,21 +79,48 @@ class KVGeometry:
     value_width: int
     kv_bits: int
     attn_widths: tuple[int, int]  # (score, output) widths per query head: FLOPs of decode attention
+    # How entries are held (`evalkit.kv.storage`, conf/kv/): None = `kv_bits` per element, nothing else. A
+    # quantized storage holds codes, scales, zero points and a residual in `kv_bits` (the model dtype).
+    storage: Any = None
 
     @property
     def bytes_per_entry(self) -> int:
-        """Bytes of one cache slot (one token) across all layers and cached heads."""
+        """Bytes of one cache slot (one token) across all layers and cached heads, in `kv_bits` (the dtype's
+        figure: a quantized storage's bytes are `sequence_bytes`)."""
         bits = self.layers * self.cached_heads * (self.key_width + self.value_width) * self.kv_bits
         return bits // 8
+
+    def sequence_bytes(self, entries: int, ring: int = 0, heads: int | None = None) -> int:
+        """Bytes one sequence holds with `entries` slots per layer and cached head, `ring` of them a ring
+        overwritten in place at decode (a quantized storage keeps its ring in `kv_bits`), over `heads` cached
+        heads per layer (default all; a tensor-parallel rank holds fewer). The storage's own arithmetic, the
+        one a run's measured bytes come from; without a storage, `entries` x the dtype's bytes."""
+        heads = self.cached_heads if heads is None else heads
+        if self.storage is None:
+            return self.layers * heads * (self.key_width + self.value_width) * self.kv_bits * entries // 8
+        try:
+            per_layer = self.storage.layer_bytes(
+                entries, ring, heads, self.key_width, self.value_width, self.kv_bits
+            )
+        except ValueError as e:  # e.g. a value group that does not divide this model's head width
+            raise MemoryReportError(str(e)) from None
+        return self.layers * per_layer
 
     @property
     def bytes_per_layer_entry(self) -> int:
         return self.bytes_per_entry // self.layers
 
 
-def kv_geometry(config: Any, kv_dtype: Any, layout: str | None = None) -> KVGeometry:
+def kv_geometry(config: Any, kv_dtype: Any, layout: str | None = None, storage: Any = None) -> KVGeometry:
     """KV geometry from a Hugging Face config. MLA is recognised by `kv_lora_rank`; `layout` is "latent"
-    (the MLA default) or "per_head" (GQA, or MLA with per-head K/V expanded)."""
+    (the MLA default) or "per_head" (GQA, or MLA with per-head K/V expanded); `storage` (an
+    `evalkit.kv.storage` object, None = plain `kv_dtype`) holds the entries, `kv_dtype` being its full
+    precision."""
+    geo = _geometry(config, kv_dtype, layout)
+    return geo if storage is None else dataclasses.replace(geo, storage=storage)
+
+
+def _geometry(config: Any, kv_dtype: Any, layout: str | None) -> KVGeometry:
     cfg = config_dict(config)
     bits = dtype_bits(kv_dtype, "kv_dtype")
     layers = need(cfg, "num_hidden_layers", "the KV size (layers)")
@@ -203,9 +231,11 @@ def model_spec(
     kv_dtype: Any,
     kv_layout: str | None = None,
     num_parameters=None,
+    storage: Any = None,
 ) -> ModelSpec:
-    """Build a ModelSpec; `num_parameters` overrides the count (DeepSeek-R1: 671e9, stored in fp8)."""
-    kv = kv_geometry(config, kv_dtype, kv_layout)
+    """Build a ModelSpec; `num_parameters` overrides the count (DeepSeek-R1: 671e9, stored in fp8); `storage`
+    holds the KV (`kv_geometry`)."""
+    kv = kv_geometry(config, kv_dtype, kv_layout, storage)
     weight_bits = dtype_bits(weight_dtype, "weight_dtype")
     if num_parameters is None:
         total, active = count_parameters(config)

@@ -127,12 +127,13 @@ class Sharding:
     def nodes(self) -> int:
         return math.ceil(self.world / self.gpus_per_node)
 
-    def kv_bytes_gpu(self, entries: int) -> int:
+    def kv_bytes_gpu(self, entries: int, ring: int = 0) -> int:
         """Bytes of KV one GPU holds for one request whose cache holds `entries` slots per layer and head
-        (`kv_entries` of the method at its budget). Not metrics.json's `parallel.kv_bytes_allocated_per_rank`,
-        which is a run's slot pool: every row decoded at once (docs/parallel.md, two per-rank KV figures)."""
-        kv = self.kv
-        return kv.layers * self.kv_heads_gpu * (kv.key_width + kv.value_width) * kv.kv_bits * entries // 8
+        (`kv_entries` of the method at its budget), `ring` of them a ring (`KVGeometry.sequence_bytes`: a
+        quantized storage's codes, scales and residual on this rank's heads). Not metrics.json's
+        `parallel.kv_bytes_allocated_per_rank`, which is a run's slot pool: every row decoded at once
+        (docs/parallel.md, two per-rank KV figures)."""
+        return self.kv.sequence_bytes(entries, ring, heads=self.kv_heads_gpu)
 
 
 def weight_bits_of(name: str, module, ndim: int, weight_bits: int, other_bits: int) -> int:

@@ -1,0 +1,89 @@
+"""The KV storage axis: how a cache holds its entries, chosen once (`conf/kv/`) and handed down.
+
+A storage owns quantization (style principle 16): it turns the K/V a layer caches into what is held (codes,
+scales, zero points, a full-precision residual), gives attention its K/V back in the model dtype, and answers
+how many bytes a row holds: `layer_bytes`, the one arithmetic `evalkit.memory` models with, so the bytes a run
+measures and the bytes the memory report models are one formula. The method decides *which* entries are kept,
+the storage *how*: every method composes with every storage it does not refuse (`refusal`).
+
+Kinds: `NoStorage` (the model dtype), `Fp8Storage` (e4m3 / e5m2, `fp8.py`), `IntStorage` (KIVI's asymmetric
+group-wise int8 / int4 / int2, `kivi.py`). `hold` is the full cache's path (a prompt, then one token per step,
+`stored.StoredCache`); the fixed-shape cache and the slot pool hold the same codes in buffers allocated once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class KVStorage:
+    """Base: a storage's settings are its dataclass fields; `name` is its folder and report name."""
+
+    @property
+    def name(self) -> str:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """What metrics.json and the report record: the name and every setting."""
+        return {"name": self.name, **asdict(self)}
+
+    def refusal(self, method, facts=None) -> str | None:
+        """Why this storage cannot hold `method`'s cache in this run (one line naming the fix), or None.
+        `facts` is the run's `RunFacts` (model, mla, tp, ...), None outside a run."""
+        return None
+
+    def check_widths(self, key_width: int, value_width: int) -> None:
+        """Raise ValueError naming the setting if a head of these widths cannot be stored."""
+
+    def layer_bytes(
+        self, slots: int, ring: int, heads: int, key_width: int, value_width: int, model_bits: int
+    ) -> int:
+        """Bytes one row holds in one layer: `heads` KV heads of `slots` entries each, `ring` of them a ring
+        that decode overwrites in place (0 for append caches), K `key_width` and V `value_width` wide, the
+        model dtype `model_bits` wide. Codes, scales, zero points and the full-precision residual all
+        count."""
+        raise NotImplementedError
+
+    def hold(self, keys: torch.Tensor, values: torch.Tensor):
+        """The prompt's K/V (B, H, T, D) as held by a full cache: an object with `append(k, v)` (one token per
+        row), `read() -> (K, V)` in the model dtype, `nbytes()` (bytes of every tensor it holds)."""
+        raise NotImplementedError
+
+
+@dataclass
+class NoStorage(KVStorage):
+    """The model dtype, as every cache held KV before the storage axis (`kv=none`)."""
+
+    @property
+    def name(self) -> str:
+        return "none"
+
+    def layer_bytes(self, slots, ring, heads, key_width, value_width, model_bits) -> int:
+        return heads * slots * (key_width + value_width) * model_bits // 8
+
+    def hold(self, keys, values):
+        return Plain(keys, values)
+
+
+class Plain:
+    """A full cache in the model dtype (what transformers' DynamicLayer holds)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.keys, self.values = torch.cat([self.keys, k], -2), torch.cat([self.values, v], -2)
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys, self.values
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.keys, self.values)
+
+
+def tensor_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes the tensors' elements take (what a cache really holds, codes and scales alike)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
