@@ -54,6 +54,7 @@ class Evictor:
 
     prompt_scores: ClassVar[bool] = False  # `prefilled` needs each prompt entry's score (h2o's prefill sums)
     observes: ClassVar[bool] = False  # attention hands each decode step's query to `observe`
+    chooses_slots: ClassVar[bool] = False  # writes a decode step's entry into a slot chosen per KV head
 
     def __init__(self):
         self.scoring = True  # False: the step without its scoring (the bench's baseline)
@@ -120,6 +121,8 @@ class Evictor:
 class SlotEvictor(Evictor):
     """A decode-time evictor: `budget` slots per row and KV head, appended into until full, then each KV
     head's slot is chosen by the subclass (`write_index`). Rows decode in the engine's slot pool only."""
+
+    chooses_slots = True
 
     def __init__(self):
         super().__init__()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from evalkit.engine import Engine, Request
+from evalkit.engine import Engine, ask
 from evalkit.kv import StreamingLLM
 from evalkit.kv.evict import Evictor, SlotEvictor, kept
 from evalkit.kv.methods import RunFacts
@@ -63,10 +63,10 @@ def decode_all(model, method, lengths, new=40, rows=2):
     """Requests of `lengths` through one engine of `rows` rows (continuous batching), `new` tokens each."""
     engine = Engine(model, None, [], rows)
     reqs = [
-        Request(str(i), p.tolist(), new, method, model.generation_config, 0, min_new=new)
+        ask(str(i), p.tolist(), new, method, model.generation_config, 0, min_new=new)
         for i, p in enumerate(prompts(lengths, seed=8))
     ]
-    return sorted(engine.run(reqs), key=lambda d: d.request.key)
+    return sorted(engine.run(reqs), key=lambda d: d.key)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalkit.engine import Engine, Request
+from evalkit.engine import Engine, ask
 from evalkit.kv import H2O
 from evalkit.kv import attention as kv_attention
 from tests.kv.test_compile import prompts
@@ -87,7 +87,7 @@ def test_h2o_logits_equal_a_float64_reference(arch, method, length, monkeypatch)
     model = sharp_model(arch, seed=5).double()
     prompt = prompts((length,), seed=6)[0]
     engine = Engine(model, None, [], 1)
-    request = Request(
+    request = ask(
         "0", prompt.tolist(), NEW, method, model.generation_config, 0, min_new=NEW, keep_logits=True
     )
     (done,) = engine.run([request])

@@ -125,7 +125,7 @@ class IntStorage(KVStorage):
         return f"int{self.bits}"
 
     def refusal(self, method, facts=None) -> str | None:
-        if getattr(method, "evict", None) is not None:
+        if method.evictor.chooses_slots:
             return (
                 f"kv {self.name}: {method.name} overwrites single cache entries chosen per KV head while "
                 f"decoding, and a key group (one scale per channel over {self.group} entries) cannot take "
