@@ -13,6 +13,10 @@ the killed one would.
     engine = Engine(model, eos_ids=[2], rows=8)
     for done in engine.run(requests):   # in completion order
         journal(done.request, done.tokens, done.stats)
+
+A server hands requests over while the engine runs instead (`run(feed=...)`, evalkit.serve): the engine polls
+its `Feed` once between steps for new requests (as many as rows are free) and for the ones whose caller went
+away (their rows are released at once), and tells it each token as it is chosen.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import CompileConfig, GenerationConfig
@@ -74,9 +79,28 @@ def fed_tokens(req: Request) -> int:
 class Done:
     request: Request
     tokens: list[int]  # generated, the EOS included when it ended there
-    ended: str  # "eos", "stop" or "limit"
+    ended: str  # "eos", "stop", "limit" or "cancelled" (dropped by the feed)
     stats: dict  # the row's KV figures, timing
     logits: list[torch.Tensor] | None = None  # (V,) float32 per generated token, when the request kept them
+
+
+@dataclass
+class Intake:
+    """What a feed hands the engine between two steps."""
+
+    new: list[Request]  # to run next, at most the `free` rows asked for
+    drop: set[str] = field(default_factory=set)  # keys of requests to release now (their caller went away)
+    closed: bool = False  # nothing more will come: the engine returns once nothing runs
+
+
+class Feed(Protocol):
+    """Requests that arrive while the engine runs (a server's queue); the keys it hands over are unique."""
+
+    def poll(self, free: int, idle: bool) -> Intake:
+        """Polled once between steps; `idle`: nothing runs, so the feed may wait for a request or a close."""
+
+    def token(self, request: Request, token: int, logits: torch.Tensor) -> None:
+        """Each generated token as it is chosen, with the raw float32 logits it was chosen from (1, V)."""
 
 
 @dataclass(eq=False)
@@ -122,21 +146,37 @@ class Engine:
         self.prefill_tokens = self.decode_tokens = 0
         # bytes of one row's slot per layer (K and V), from the first prefill
         self.layer_bytes: list[int] = []
+        self._feed: Feed | None = None  # run(feed=...): told each token
+        self.live: list[_Row | None] = []  # while running: each row's request, None where idle (a feed reads)
 
     # --- the loop -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(
-        self, requests: Iterable[Request], then: Callable[[Done], Request | None] | None = None
+        self,
+        requests: Iterable[Request],
+        then: Callable[[Done], Request | None] | None = None,
+        feed: Feed | None = None,
     ) -> Iterator[Done]:
         """Every request's generation, in completion order. `then(done)` may return a follow-up request (a
-        two-call protocol), which runs next, ahead of the queue."""
+        two-call protocol), which runs next, ahead of the queue. With a `feed`, requests also arrive between
+        steps until it closes; a dropped one ends as "cancelled"."""
         queue = deque(requests)
         del requests  # the queue alone holds requests (and their prefill records) until they run
         self.capacity = max((self._need(r) for r in queue), default=1)
         live: list[_Row | None] = [None] * self.n_rows
         last = torch.zeros(self.n_rows, dtype=torch.long, device=self.model.device)  # (rows,) last token
         self.started = time.perf_counter()
-        while queue or any(live):
+        self._feed, self.live = feed, live
+        while queue or any(live) or feed is not None:
+            if feed is not None:
+                busy = sum(row is not None for row in live) + len(queue)
+                intake = feed.poll(max(self.n_rows - busy, 0), idle=busy == 0)
+                for req in intake.new:
+                    self.capacity = max(self.capacity, self._need(req))
+                    queue.append(req)
+                yield from self._drop(intake.drop, queue, live)
+                if intake.closed and not queue and not any(live):
+                    return
             if self.continuous or not any(live):
                 for done in self._refill(queue, live, last):
                     yield from self._finish(done, queue, then)
@@ -151,6 +191,21 @@ class Engine:
             self.capacity = max(self.capacity, self._need(follow))
             queue.appendleft(follow)
         yield done
+
+    def _drop(self, keys: set[str], queue: deque, live: list) -> Iterator[Done]:
+        """The requests `keys` names end now as "cancelled": a queued one is forgotten, a row is released (its
+        slots take the next request)."""
+        if not keys:
+            return
+        for req in [q for q in queue if q.key in keys]:
+            queue.remove(req)
+            yield Done(req, [], "cancelled", {})
+        held = [r for r, row in enumerate(live) if row is not None and row.request.key in keys]
+        kv = self.pool.row_stats() if held else []
+        for r in held:
+            yield self._done(live[r], "cancelled", kv[r])
+            live[r] = None
+            self.pool.idle_row(r)
 
     def _refill(self, queue: deque, live: list, last: torch.Tensor) -> Iterator[Done]:
         """Free rows take the next requests (prefilled alone, then copied in)."""
@@ -167,7 +222,7 @@ class Engine:
                     token = row.forced.popleft()
                 else:
                     token = self._choose(row, logits)
-                    ended = self._append(row, token)
+                    ended = self._append(row, token, logits)
                     if ended is not None:  # done at its first token: it never needs a row
                         yield self._done(row, ended, cache.row_stats()[0])
                         continue
@@ -202,7 +257,7 @@ class Engine:
                 continue
             if row.generator is not None or row.logits is not None or len(row.tokens) < row.request.min_new:
                 chosen[r] = self._choose(row, logits[r : r + 1])
-            ended = self._append(row, chosen[r])
+            ended = self._append(row, chosen[r], logits[r : r + 1])
             if ended is not None:
                 finished.append((r, ended))
         last.copy_(torch.tensor(chosen, device=last.device))  # one host-to-device write
@@ -295,10 +350,13 @@ class Engine:
         probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, num_samples=1, generator=row.generator)[0, 0])
 
-    def _append(self, row: _Row, token: int) -> str | None:
-        """Add a token; why the request ends here (transformers' stopping criteria), or None."""
+    def _append(self, row: _Row, token: int, logits: torch.Tensor) -> str | None:
+        """Add a token chosen from `logits` (1, V); why the request ends here (transformers' stopping
+        criteria), or None."""
         row.tokens.append(token)
         self.generated += 1
+        if self._feed is not None:  # a server streams it now
+            self._feed.token(row.request, token, logits)
         if token in self.eos:
             return "eos"
         if row.stops:  # lm-eval's criteria read only their last sequence_id_len tokens
