@@ -196,6 +196,17 @@ def compare(calls: list[Call], load: list[Outcome], alone: list[Outcome]) -> dic
     }
 
 
+def settled(backend, timeout_s: float = 60.0) -> dict:
+    """The backend's stats once nothing runs and no row is held (the engine's thread releases rows at its own
+    pace), or as they are after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while (s := backend.stats())["running"] or s.get("rows_held"):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return s
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
@@ -209,7 +220,7 @@ def serve_and_load(service, calls: list[Call], clients: int) -> list[dict]:
     with Background(make_app(service)) as server:
         alone, alone_s = run_load(server.url, full, clients=1)
         load, load_s = run_load(server.url, calls, clients=clients, backoff_s=0.05)
-        idle = service.backend.stats()
+        idle = settled(service.backend)
     checked = compare(calls, load, alone)
     rows = []
     for mode, outcomes, wall in (("one at a time", alone, alone_s), (f"{clients} clients", load, load_s)):
@@ -237,7 +248,7 @@ def serve_and_load(service, calls: list[Call], clients: int) -> list[dict]:
 def run(ctx: Context) -> list[dict]:
     from evalkit.serve.live import engine_service
 
-    n, clients = ctx.size((24, 8), (96, 32))
+    n, clients = ctx.size((24, 8), (64, 32))
     service = engine_service(
         ctx.model, ctx.tokenizer, name=ctx.model_name, method="snapstream", budget=128, rows=8, queue_limit=16
     )
@@ -252,10 +263,10 @@ def note(rows: list[dict]) -> str:
         f"queue limit {load['queue_limit']}) on 127.0.0.1: {load['requests']} mixed requests (completions "
         "and chat, 6-200 word prompts, 4-40 tokens, a third streamed, some cancelled mid-stream, a fifth "
         "sampled with seeds) one at a time, then from concurrent clients. Concurrent: "
-        f"{load['speedup']}x the tokens per second; {load['rejected_429']} answers 429 (queue full), "
-        f"retried; {load['mismatches']} answers differ from one at a time, {load['lost']} lost, "
-        f"{load['answered_twice']} answered twice; rows held after: {load['rows_held_after']}. Latency is "
-        "per request, queueing included."
+        f"{load['speedup']}x the tokens per second; {int(load['rejected_429'])} answers 429 (queue full), "
+        f"retried; {int(load['mismatches'])} answers differ from one at a time, {int(load['lost'])} lost, "
+        f"{int(load['answered_twice'])} answered twice; rows held after: {int(load['rows_held_after'])}. "
+        "Latency is per request, queueing included."
     )
 
 

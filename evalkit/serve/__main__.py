@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 from omegaconf import DictConfig
 
-from evalkit.config import ConfigError, compose, model_spec
+from evalkit.config import ConfigError, check_choice, compose, model_spec
 from evalkit.errors import EvalkitError, exit_with
 from evalkit.overrides import check_overrides
 
@@ -112,9 +112,10 @@ def service(cfg: DictConfig):
 
 
 def uvicorn_server(app, svc, settings: Settings):
-    """uvicorn whose SIGTERM / SIGINT drains the service first (new requests 503, /health "draining") and
-    whose process then ends with status 0: uvicorn itself re-raises the signal after its graceful shutdown,
-    which would end the process with 143."""
+    """uvicorn whose SIGTERM / SIGINT drains the service (new requests 503, /health "draining", what still
+    runs after `serve.shutdown_s` cancelled, its clients told) while uvicorn waits for the connections to
+    close; the process then ends with status 0 (uvicorn itself re-raises the signal after its graceful
+    shutdown, which would end it with 143)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -131,7 +132,7 @@ def uvicorn_server(app, svc, settings: Settings):
                     signal.signal(sig, handler)
 
         def handle_exit(self, sig, frame):
-            svc.draining = True
+            svc.drain(settings.shutdown_s)
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets=None):
@@ -151,7 +152,7 @@ def uvicorn_server(app, svc, settings: Settings):
         port=settings.port,
         log_level="warning",
         access_log=False,
-        timeout_graceful_shutdown=settings.shutdown_s,
+        timeout_graceful_shutdown=settings.shutdown_s + 10,  # a backstop: the drain cancels at shutdown_s
     )
     return Server(config)
 
@@ -163,10 +164,13 @@ def main(argv: list[str] | None = None) -> None:
 
     overrides = sys.argv[1:] if argv is None else argv
     try:
+        for group, _, name in (o.partition("=") for o in overrides):
+            if group in ("model", "method", "task"):
+                check_choice(group, name)  # names the valid choices
         check_overrides(overrides, "serve")
         try:
             cfg = compose("serve", overrides)
-        except HydraException as e:  # an unknown group choice: Hydra's message lists the valid ones
+        except HydraException as e:  # what Hydra refuses otherwise (a malformed override)
             raise ConfigError(str(e).splitlines()[0]) from None
         svc, settings = service(cfg)
     except EvalkitError as e:

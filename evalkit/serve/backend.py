@@ -231,6 +231,9 @@ class EngineLoop:
     def cancel(self, ticket: Ticket) -> None:
         self.inbox.cancel(ticket)
 
+    def cancel_all(self) -> None:
+        self.inbox.cancel_all()
+
     def close(self, timeout: float) -> None:
         """Take no more work; let what runs finish for up to `timeout` seconds, then cancel it; wait for the
         engine loop to return."""

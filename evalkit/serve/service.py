@@ -7,6 +7,7 @@ the context, `n`, its budget made into the server's method at that budget; then 
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -236,6 +237,16 @@ class Service:
                 "choices": per,
             },
         }
+
+    def drain(self, grace_s: float) -> None:
+        """Take no new work (503); what still runs after `grace_s` seconds is cancelled, and its clients are
+        told so (a 503, or an error event ending the stream)."""
+        if self.draining:
+            return
+        self.draining = True
+        timer = threading.Timer(grace_s, self.backend.cancel_all)
+        timer.daemon = True
+        timer.start()
 
     def health(self) -> tuple[int, dict]:
         failed = self.backend.stats()["failed"]

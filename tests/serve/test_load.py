@@ -53,3 +53,17 @@ def test_real_engine_under_32_clients(serve, tiny_llama, one_thread, n, lengths)
     engine = svc.backend.engine
     wait_for(lambda: engine.live == [None] * 8, "the engine to release the last rows")  # its thread's pace
     assert engine.pool.rows.valid.sum(1).tolist() == [1] * 8  # every row idle: one valid slot, nothing held
+
+
+def test_the_bench_rows_compare_one_at_a_time_with_concurrent_clients(tokenizer):
+    from evalkit.bench.serving import note, serve_and_load
+
+    svc = fake_service(tokenizer, context=4096, rows=4, queue_limit=4, step_s=0.001)
+    rows = serve_and_load(svc, mixed_calls("fake", 24, seed=3), clients=8)
+    alone, load = rows
+    assert (alone["mode"], load["mode"]) == ("one at a time", "8 clients")
+    assert alone["requests"] == load["requests"] == 24 and load["mismatches"] == load["lost"] == 0
+    assert load["rows_held_after"] == 0 and load["speedup"] == round(
+        load["tokens_per_s"] / alone["tokens_per_s"], 2
+    )
+    assert alone["p50_s"] <= alone["p99_s"] and "0 answers differ from one at a time" in note(rows)
