@@ -212,14 +212,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
-def serve_and_load(service, calls: list[Call], clients: int) -> list[dict]:
-    """One-at-a-time and concurrent passes of `calls` against `service`; one row per pass."""
+def serve_and_load(service, calls: list[Call], clients: int, timeout_s: float = 3600) -> list[dict]:
+    """One-at-a-time and concurrent passes of `calls` against `service` (each bounded by `timeout_s`); one
+    row per pass."""
     from evalkit.serve.app import make_app
 
     full = [Call(c.id, c.path, c.body) for c in calls]  # one at a time, nobody cancels
     with Background(make_app(service)) as server:
-        alone, alone_s = run_load(server.url, full, clients=1)
-        load, load_s = run_load(server.url, calls, clients=clients, backoff_s=0.05)
+        alone, alone_s = run_load(server.url, full, clients=1, timeout_s=timeout_s)
+        load, load_s = run_load(server.url, calls, clients=clients, timeout_s=timeout_s)  # after Retry-After
         idle = settled(service.backend)
     checked = compare(calls, load, alone)
     rows = []
@@ -248,11 +249,11 @@ def serve_and_load(service, calls: list[Call], clients: int) -> list[dict]:
 def run(ctx: Context) -> list[dict]:
     from evalkit.serve.live import engine_service
 
-    n, clients = ctx.size((24, 8), (64, 32))
+    n, clients = ctx.size((12, 6), (32, 16))  # the one-at-a-time pass dominates: ~2 tokens/s on a busy CPU
     service = engine_service(
-        ctx.model, ctx.tokenizer, name=ctx.model_name, method="snapstream", budget=128, rows=8, queue_limit=16
+        ctx.model, ctx.tokenizer, name=ctx.model_name, method="snapstream", budget=128, rows=8, queue_limit=4
     )
-    calls = mixed_calls(ctx.model_name, n, budgets=(None, 64, 96))
+    calls = mixed_calls(ctx.model_name, n, budgets=(None, 64, 96), max_tokens=(4, 8, 16, 32))
     return serve_and_load(service, calls, clients)
 
 
@@ -261,7 +262,7 @@ def note(rows: list[dict]) -> str:
     return (
         f"`make serve`'s engine (SnapStream 128, per-request budgets 64/96 mixed in; {load['rows']} rows, "
         f"queue limit {load['queue_limit']}) on 127.0.0.1: {load['requests']} mixed requests (completions "
-        "and chat, 6-200 word prompts, 4-40 tokens, a third streamed, some cancelled mid-stream, a fifth "
+        "and chat, 6-200 word prompts, 4-32 tokens, a third streamed, some cancelled mid-stream, a fifth "
         "sampled with seeds) one at a time, then from concurrent clients. Concurrent: "
         f"{load['speedup']}x the tokens per second; {int(load['rejected_429'])} answers 429 (queue full), "
         f"retried; {int(load['mismatches'])} answers differ from one at a time, {int(load['lost'])} lost, "

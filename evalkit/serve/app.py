@@ -39,8 +39,17 @@ class Shape:
     def prepare(self, service: Service, body) -> Prepared:
         raise NotImplementedError
 
-    def choice(self, index: int, text: str, logprobs, finish: str | None, opening: bool = False) -> dict:
+    def choice(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
+        """A choice of the whole answer."""
         raise NotImplementedError
+
+    def chunk(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
+        """A choice's piece in a stream."""
+        return self.choice(index, text, logprobs, finish)
+
+    def opening(self, index: int) -> dict | None:
+        """What a stream sends for a choice before its first piece, if anything."""
+        return None
 
     def logprobs(self, text: Text, tokens: list[Token], offset: int) -> dict:
         raise NotImplementedError
@@ -52,7 +61,7 @@ class Completions(Shape):
     def prepare(self, service, body):
         return service.completion(body)
 
-    def choice(self, index, text, logprobs, finish, opening=False):
+    def choice(self, index, text, logprobs, finish):
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def logprobs(self, text, tokens, offset):
@@ -65,17 +74,17 @@ class Chat(Shape):
     def prepare(self, service, body):
         return service.chat(body)
 
-    def choice(self, index, text, logprobs, finish, opening=False):
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": finish,
-        }
+    def choice(self, index, text, logprobs, finish):
+        message = {"role": "assistant", "content": text}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
-    def delta(self, index, text, logprobs, finish, opening=False):
-        delta = {"role": "assistant", "content": text} if opening else {"content": text} if text else {}
+    def chunk(self, index, text, logprobs, finish):
+        delta = {"content": text} if text else {}
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def opening(self, index):  # the role first, as OpenAI streams it
+        delta = {"role": "assistant", "content": ""}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
 
     def logprobs(self, text, tokens, offset):
         return chat_logprobs(text, tokens)
@@ -85,13 +94,8 @@ class Generation:
     """One generation request after its checks: its ticket's events gathered into one answer, or streamed."""
 
     def __init__(self, service: Service, shape: Shape, body, prepared: Prepared, ticket):
-        self.service, self.shape, self.body, self.prepared, self.ticket = (
-            service,
-            shape,
-            body,
-            prepared,
-            ticket,
-        )
+        self.service, self.shape, self.body = service, shape, body
+        self.prepared, self.ticket = prepared, ticket
         self.texts = [Text(service.tokenizer, prepared.stops) for _ in prepared.works]
         self.id, self.created = f"{shape.prefix}-{uuid.uuid4().hex}", int(time.time())
         self.want_logprobs = prepared.works[0].logprobs is not None
@@ -138,11 +142,10 @@ class Generation:
         finish reason last; then the usage (stream_options.include_usage) and `[DONE]`."""
         pending: list[list[Token]] = [[] for _ in self.texts]
         head = self.head(self.shape.chunk_object)
-        chunk = getattr(self.shape, "delta", self.shape.choice)
         try:
-            if isinstance(self.shape, Chat):  # the role first, as OpenAI streams it
-                for i in range(len(self.texts)):
-                    yield _event({**head, "choices": [chunk(i, "", None, None, opening=True)]})
+            for i in range(len(self.texts)):
+                if (opening := self.shape.opening(i)) is not None:
+                    yield _event({**head, "choices": [opening]})
             async for index, event in self.ticket:
                 text = self.texts[index]
                 piece = text.add(event)
@@ -158,7 +161,7 @@ class Generation:
                     lp = self.shape.logprobs(text, pending[index], text.sent - len(piece))
                 pending[index] = []
                 finish = event.reason if isinstance(event, End) else None
-                yield _event({**head, "choices": [chunk(index, piece, lp, finish)]})
+                yield _event({**head, "choices": [self.shape.chunk(index, piece, lp, finish)]})
                 await asyncio.sleep(0)  # let a lost connection be noticed before the next write
             else:
                 if (self.body.stream_options or {}).get("include_usage"):

@@ -203,8 +203,9 @@ class Inbox:
             return self._cond.wait_for(self.idle, timeout)
 
     def _end(self, ticket: Ticket, index: int, end: End) -> None:
-        self.ended[end.reason] += 1
-        self.totals.update({k: end.stats.get(k, 0) for k in ("kv_seen", "kv_kept")})
+        with self._cond:  # from either thread (a Condition's lock is reentrant)
+            self.ended[end.reason] += 1
+            self.totals.update({k: end.stats.get(k, 0) for k in ("kv_seen", "kv_kept")})
         ticket.put(index, end)
 
     def depth(self) -> tuple[int, int]:

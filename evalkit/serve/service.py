@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from evalkit.config import ConfigError
+from evalkit.kv.config import make_method
 from evalkit.request import request_seed
 from evalkit.serve.backend import Closed, End, QueueFull, Work
 from evalkit.serve.schema import ApiError, ChatBody, Common, CompletionBody, prompts, stops
@@ -98,7 +99,7 @@ class Service:
             )
         if budget not in self._methods:
             try:
-                made = _make_method(self.card.method_conf, budget)
+                made = make_method(self.card.method_conf, budget=budget)
             except ConfigError as e:
                 raise ApiError(400, f"budget: {e}", "budget") from None
             if budget > self.card.context:
@@ -255,9 +256,3 @@ class Service:
         if self.draining:
             return 503, {"status": "draining"}
         return 200, {"status": "ok", "model": self.card.id}
-
-
-def _make_method(conf, budget: int):
-    from evalkit.kv.config import make_method
-
-    return make_method(conf, budget=budget)

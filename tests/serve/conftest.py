@@ -90,8 +90,9 @@ def events(response: requests.Response) -> list:
     return out
 
 
-def stream_then_hang_up(url: str, path: str, body: dict, chunks: int) -> list[dict]:
-    """POST a streaming request, read `chunks` events, then close the connection (a client going away)."""
+def stream_then_hang_up(url: str, path: str, body: dict, chunks: int, when=None) -> list[dict]:
+    """POST a streaming request, read `chunks` events, then close the connection (a client going away); with
+    `when` (a threading.Event), only once it is set."""
     where = urlsplit(url)
     conn = http.client.HTTPConnection(where.hostname, where.port, timeout=120)
     conn.request("POST", path, json.dumps({**body, "stream": True}), {"content-type": "application/json"})
@@ -101,6 +102,8 @@ def stream_then_hang_up(url: str, path: str, body: dict, chunks: int) -> list[di
         line = response.fp.readline()
         if line.startswith(b"data: "):
             got.append(json.loads(line[6:]))
+    if when is not None:
+        when.wait(timeout=120)
     conn.close()
     return got
 

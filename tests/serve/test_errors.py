@@ -67,8 +67,9 @@ def test_a_bad_request_is_refused_naming_the_field_before_it_takes_a_place(
 
 def test_a_full_queue_answers_429_with_retry_after_and_takes_the_request_once_there_is_room(serve, tokenizer):
     url, svc = serve(fake_service(tokenizer, context=100_000, rows=1, queue_limit=2, step_s=0.01))
-    holder = threading.Thread(  # holds the one row until it hangs up
-        target=stream_then_hang_up, args=(url, "/v1/completions", {**GOOD, "max_tokens": 50_000}, 3)
+    release = threading.Event()
+    holder = threading.Thread(  # holds the one row until it is told to hang up
+        target=stream_then_hang_up, args=(url, "/v1/completions", {**GOOD, "max_tokens": 50_000}, 1, release)
     )
     answers = []
     holder.start()
@@ -82,6 +83,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_takes_the_request_once_th
     full = post(url, "/v1/completions", GOOD)
     assert full.status_code == 429 and full.headers["Retry-After"] == "1"
     assert full.json()["error"]["type"] == "rate_limit_error" and full.json()["error"]["code"] == "queue_full"
+    release.set()
     holder.join()  # the holder hung up: its row goes to the waiting requests
     for t in waiting:
         t.join()
