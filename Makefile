@@ -19,7 +19,7 @@ OVERRIDES := $(if $(TASK),task=$(TASK)) $(if $(MODEL),model=$(MODEL)) $(if $(MET
              $(if $(BUDGET),method.budget=$(BUDGET)) $(ARGS)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup quick eval sweep leaderboard report memory-report bench test test-gpu test-slow lint format gpu-check clean
+.PHONY: help setup quick eval serve sweep leaderboard report memory-report bench test test-gpu test-slow lint format gpu-check clean
 
 help: ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -48,6 +48,9 @@ quick: $(STAMP) ## Compressed + full + report on 6 RULER problems -> results/qui
 
 eval: $(STAMP) ## Evaluate: make eval [TASK=ruler MODEL=smollm2_135m METHOD=snapstream BUDGET=256 NPROC=1 ARGS="k=v ..."]
 	$(LAUNCH) -m evalkit $(OVERRIDES)
+
+serve: $(STAMP) ## OpenAI-compatible server on the compressed cache: make serve [MODEL=... METHOD=snapstream BUDGET=256 ARGS="serve.port=8000"]
+	$(LAUNCH) -m evalkit.serve $(OVERRIDES)
 
 sweep: $(STAMP) ## Run a sweep config from conf/sweep: make sweep SWEEP=ruler_budgets [ARGS=...]
 	$(PY) -m evalkit sweep=$(SWEEP) $(ARGS)

@@ -1,4 +1,4 @@
-"""What the engine is asked, built from lm-eval's requests: one `Conversation` (evalkit.engine) per prompt and
+"""What the engine is asked, built from lm-eval's requests: one `Conversation` (evalkit.turns) per prompt and
 budget, or per multi-question context and budget, with what is already journaled fed back or left out.
 
 `conversations(groups, budgets, enc)` is the one builder, a pure function of the requests' prompts (their
@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from evalkit.engine import Conversation, Done, Followup, Turn
 from evalkit.journal import journaled
 from evalkit.kv import Full
 from evalkit.kv.prefill import PrefillRecord
@@ -35,6 +34,7 @@ from evalkit.request import (
     request_seed,
     stop_strings,
 )
+from evalkit.turns import Conversation, Done, Followup, Turn
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,10 @@ same whatever row, batch or moment it lands in, and a resumed run samples what t
         journal(done.key, done.tag, done.tokens, done.stats)
 
 `run` takes conversations from an `Inbox` between decode steps (a list becomes one): what arrives while
-others decode takes the next free row.
+others decode takes the next free row. A server hands conversations over while the engine runs instead
+(`run(feed=...)`, evalkit.serve): the engine polls its `Feed` once between steps for new ones (as many as rows
+are free) and for the ones whose caller went away (their rows are released at once, "cancelled"), and tells it
+each token as it is chosen.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ from __future__ import annotations
 import inspect
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
-from transformers import CompileConfig, GenerationConfig
+from transformers import CompileConfig
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -41,102 +45,31 @@ from transformers.generation.logits_process import (
 from evalkit.kv.cache import KVCache
 from evalkit.kv.layout import slots_needed
 from evalkit.kv.pool import SlotPool
-from evalkit.kv.prefill import PrefillRecord, shared_prefill
+from evalkit.kv.prefill import shared_prefill
 from evalkit.kv.static import compile_config
 from evalkit.team import Team
-
-
-# --- what the engine runs -----------------------------------------------------------------------------------
-@dataclass
-class Turn:
-    """One answer of a conversation on its cache: `forced` fed teacher-forced first (query_aware=false: the
-    question and answer prefix; a later question: its chat markup too), then up to `max_new` tokens
-    generated. `answer`: a turn answered before (a resumed conversation), fed back as the cache held it and
-    not generated again (no Done)."""
-
-    max_new: int
-    config: GenerationConfig  # do_sample, temperature, top_k, top_p (request.generation_config)
-    seed: int  # this turn's own sampling seed
-    forced: list[int] = field(default_factory=list)
-    until: list[str] = field(default_factory=list)  # stop strings (lm-eval's `until`)
-    min_new: int = 0  # EOS is suppressed until this many tokens (transformers' min_new_tokens)
-    keep_logits: bool = False  # keep each step's raw float32 logits (transformers' output_logits)
-    tag: object = None  # the caller's, handed back with its Done
-    answer: list[int] | None = None  # answered before: its tokens as they stand in the cache (no final EOS)
-
-
-@dataclass(frozen=True)
-class Followup:
-    """A second call on a fresh cache, a conversation's last turn: `build(done)` makes its conversation from
-    the previous turn's answer (a two-call protocol; it runs next, ahead of the waiting conversations)."""
-
-    build: Callable[[Done], Conversation]
-
-
-@dataclass(eq=False)
-class Conversation:
-    """Context `ids` (already fitted to the model context) prefilled with `method`, then its turns in order.
-    `record`: keep this prefill for the conversations that `replay` it (a prompt's other budgets); the engine
-    drops both references once prefilled, so a record lives only until its last budget is in."""
-
-    key: str
-    ids: list[int]
-    method: object
-    turns: list[Turn | Followup]
-    record: PrefillRecord | None = None
-    replay: PrefillRecord | None = None
-
-
-def ask(key: str, ids: list[int], max_new: int, method, config, seed: int, **turn) -> Conversation:
-    """A one-turn conversation: the prompt, then its answer (`turn`: the Turn's other fields; `record` /
-    `replay`: the conversation's)."""
-    shared = {k: turn.pop(k) for k in ("record", "replay") if k in turn}
-    return Conversation(key, ids, method, [Turn(max_new, config, seed, **turn)], **shared)
-
-
-def fed_tokens(conv: Conversation) -> int:
-    """Tokens a conversation writes into its cache after the prefill, at most: each turn's forced and
-    generated ones (an answered turn's answer), and before each later turn the previous answer's last
-    token, fed back."""
-    turns = [t for t in conv.turns if isinstance(t, Turn)]
-    answered = [t for t in turns if t.answer is not None]
-    asked = [t for t in turns if t.answer is None]
-    fed = sum(len(t.forced) + len(t.answer) for t in answered)
-    return fed + sum(t.max_new + len(t.forced) for t in asked) + max(len(asked) - 1, 0)
-
-
-class Inbox:
-    """Conversations waiting for a row, taken between decode steps. `Engine.run` makes one of a list; a
-    caller that keeps its own can `put` more while the engine decodes (they take the next free rows)."""
-
-    def __init__(self, conversations: Iterable[Conversation] = ()):
-        self._waiting = deque(conversations)
-
-    def put(self, conv: Conversation, first: bool = False) -> None:
-        (self._waiting.appendleft if first else self._waiting.append)(conv)
-
-    def take(self) -> Conversation:
-        return self._waiting.popleft()
-
-    def __bool__(self) -> bool:
-        return bool(self._waiting)
-
-    def __iter__(self) -> Iterator[Conversation]:
-        return iter(self._waiting)
+from evalkit.turns import Conversation, Done, Followup, Inbox, Turn, fed_tokens
 
 
 @dataclass
-class Done:
-    key: str  # the conversation's
-    turn: Turn
-    tokens: list[int]  # generated, the EOS included when it ended there
-    ended: str  # "eos", "stop" or "limit"
-    stats: dict  # the row's KV figures, timing
-    logits: list[torch.Tensor] | None = None  # (V,) float32 per generated token, when the turn kept them
+class Intake:
+    """What a feed hands the engine between two steps."""
 
-    @property
-    def tag(self):
-        return self.turn.tag
+    new: list[Conversation]  # to run next, at most the `free` rows asked for
+    drop: set[str] = field(default_factory=set)  # keys of conversations to release now (their caller left)
+    closed: bool = False  # nothing more will come: the engine returns once nothing runs
+
+
+class Feed(Protocol):
+    """Conversations that arrive while the engine runs (a server's queue); the keys it hands over are
+    unique."""
+
+    def poll(self, free: int, idle: bool) -> Intake:
+        """Polled once between steps; `idle`: nothing runs, so the feed may wait for one or a close."""
+
+    def token(self, key: str, turn: Turn, token: int, logits: torch.Tensor) -> None:
+        """Each generated token of conversation `key` as it is chosen, with the raw float32 logits it was
+        chosen from (1, V)."""
 
 
 @dataclass(eq=False)
@@ -203,23 +136,49 @@ class Engine:
         # or its share under tensor parallelism), from the first prefill
         self.layer_bytes: list[int] = []
         self.kv_heads: int | None = None
+        self._feed: Feed | None = None  # run(feed=...): told each token
+        self.live: list[_Row | None] = []  # while running: each row's turn, None where idle (a feed reads)
 
     # --- the loop -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, conversations: Iterable[Conversation] | Inbox) -> Iterator[Done]:
+    def run(self, conversations: Iterable[Conversation] | Inbox, feed: Feed | None = None) -> Iterator[Done]:
         """Every generated turn's Done, in completion order. Conversations are taken from the inbox whenever
-        a row is free (between decode steps); a follow-up call goes ahead of the waiting ones."""
+        a row is free (between decode steps); a follow-up call goes ahead of the waiting ones. With a `feed`,
+        conversations also arrive between steps until it closes; a dropped one ends as "cancelled"."""
         inbox = conversations if isinstance(conversations, Inbox) else Inbox(conversations)
         del conversations  # the inbox alone holds them (and their prefill records) until they run
         self.capacity = max([self.capacity, *(self._need(c) for c in inbox)])  # the pool's size, once
         live: list[_Row | None] = [None] * self.n_rows
         last = torch.zeros(self.n_rows, dtype=torch.long, device=self.model.device)  # (rows,) last token
         self.started = time.perf_counter()
-        while inbox or any(live):
+        self._feed, self.live = feed, live
+        while inbox or any(live) or feed is not None:
+            if feed is not None:
+                busy = sum(row is not None for row in live) + len(inbox)
+                intake = feed.poll(max(self.n_rows - busy, 0), idle=busy == 0)
+                for conv in intake.new:
+                    inbox.put(conv)
+                yield from self._drop(intake.drop, inbox, live)
+                if intake.closed and not inbox and not any(live):
+                    return
             if self.continuous or not any(live):
                 yield from self._refill(inbox, live, last)
             if any(live):
                 yield from self._step(live, last, inbox)
+
+    def _drop(self, keys: set[str], inbox: Inbox, live: list) -> Iterator[Done]:
+        """The conversations `keys` names end now as "cancelled": a waiting one is forgotten, a row is
+        released (its slots take the next conversation)."""
+        if not keys:
+            return
+        for conv in inbox.drop(keys):
+            yield Done(conv.key, conv.turns[0], [], "cancelled", {})
+        held = [r for r, row in enumerate(live) if row is not None and row.key in keys]
+        kv = self.pool.row_stats() if held else []
+        for r in held:
+            yield self._done(live[r], "cancelled", kv[r])
+            live[r] = None
+            self.pool.idle_row(r)
 
     def _refill(self, inbox: Inbox, live: list, last: torch.Tensor) -> Iterator[Done]:
         """Free rows take the next conversations (prefilled alone, then copied in)."""
@@ -238,7 +197,7 @@ class Engine:
                     token = row.forced.popleft()
                 else:
                     token = self._choose(row, logits)
-                    ended = self._append(row, token)
+                    ended = self._append(row, token, logits)
                     if ended is not None:  # its turn is done at its first token
                         done = self._done(row, ended, cache.row_stats()[0])
                         yield done
@@ -277,7 +236,7 @@ class Engine:
                 continue
             if row.generator is not None or row.logits is not None or len(row.tokens) < row.turn.min_new:
                 chosen[r] = self._choose(row, logits[r : r + 1])
-            ended = self._append(row, chosen[r])
+            ended = self._append(row, chosen[r], logits[r : r + 1])
             if ended is not None:
                 finished.append((r, ended))
         last.copy_(torch.tensor(chosen, device=last.device))  # one host-to-device write
@@ -406,10 +365,13 @@ class Engine:
         probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, num_samples=1, generator=row.generator)[0, 0])
 
-    def _append(self, row: _Row, token: int) -> str | None:
-        """Add a token; why the turn ends here (transformers' stopping criteria), or None."""
+    def _append(self, row: _Row, token: int, logits: torch.Tensor) -> str | None:
+        """Add a token chosen from `logits` (1, V); why the turn ends here (transformers' stopping criteria),
+        or None."""
         row.tokens.append(token)
         self.generated += 1
+        if self._feed is not None:  # a server streams it now
+            self._feed.token(row.key, row.turn, token, logits)
         if token in self.eos:
             return "eos"
         if row.stops:  # lm-eval's criteria read only their last sequence_id_len tokens

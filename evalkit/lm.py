@@ -21,10 +21,10 @@ from tqdm import tqdm
 
 from evalkit.checks import check_methods, run_facts
 from evalkit.conversation import Budget, Encoder, conversations, grouped
-from evalkit.engine import Turn
 from evalkit.journal import journal_record, keyed
 from evalkit.request import Prompt, new_tokens_cap, request_prompt
 from evalkit.team import Team
+from evalkit.turns import Turn
 
 
 class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.CliLM (lm_eval_plugin.py)

@@ -64,8 +64,9 @@ def load(spec, team: Team):
 def measure(model, args, name: str, settings: dict, team: Team) -> dict:
     from transformers import GenerationConfig
 
-    from evalkit.engine import Engine, ask
+    from evalkit.engine import Engine
     from evalkit.kv.config import make_method
+    from evalkit.turns import ask
 
     method = make_method(name, **settings)
     g = torch.Generator().manual_seed(0)

@@ -11,10 +11,11 @@ from omegaconf import OmegaConf
 
 import evalkit.run as runner
 from evalkit.config import ConfigError, compose
-from evalkit.engine import Conversation, Engine, ask
+from evalkit.engine import Engine
 from evalkit.identity import hashes
 from evalkit.kv import Full, KVCache, SnapKV, SnapStream
 from evalkit.request import Prompt, generation_config, question_tokens
+from evalkit.turns import Conversation, ask
 from tests.conftest import fresh_run, planned_folder, tiny_model
 
 RULER = [

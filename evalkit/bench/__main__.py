@@ -24,6 +24,7 @@ MEASUREMENTS = {
     "compiled": "compiled",
     "grading": "grading",
     "eviction": "eviction",
+    "serving": "serving",  # `make serve`'s engine under concurrent HTTP clients on 127.0.0.1
     "eviction_16k": "eviction_16k",  # opt-in (--only): a 16k prefill per method takes minutes on CPU
 }
 OPT_IN = {"eviction_16k"}  # left out of the default run

@@ -45,8 +45,8 @@ def aime_like_prompts(tokenizer, n: int) -> list[list[int]]:
 
 def requests(prompts: list[list[int]], lengths: list[int], method) -> list:
     """Greedy requests of forced lengths (no EOS: the engine gets none)."""
-    from evalkit.engine import ask
     from evalkit.request import generation_config
+    from evalkit.turns import ask
 
     return [
         ask(f"r{i}", ids, n, method, generation_config({}, n, [], 0), seed=i)

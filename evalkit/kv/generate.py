@@ -82,7 +82,8 @@ def generate(
     row's. `compile=True`: the decode step compiled (`compile_config` unless `gen_kwargs` has a
     `compile_config`).
     """
-    from evalkit.engine import Engine, ask
+    from evalkit.engine import Engine
+    from evalkit.turns import ask
 
     compiled = gen_kwargs.pop("compile_config", None) or compile_config(model)
     if compile and gen_kwargs.get("prefill_chunk_size") is not None:

@@ -6,9 +6,10 @@ a batch."""
 import pytest
 import torch
 
-from evalkit.engine import Engine, ask
+from evalkit.engine import Engine
 from evalkit.kv import Full, KVCache, SnapKV, SnapStream, StreamingLLM, generate
 from evalkit.kv.pool import SlotPool
+from evalkit.turns import ask
 from tests.conftest import tiny_model
 
 METHODS = [

@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from evalkit.config import ConfigError
-from evalkit.engine import Engine, ask
+from evalkit.engine import Engine
 from evalkit.kv import H2O, SnapKVDecode, generate
 from evalkit.kv import attention as kv_attention
 from evalkit.kv.config import make_method
 from evalkit.kv.pool import SlotPool
+from evalkit.turns import ask
 from tests.conftest import tiny_model
 from tests.kv.test_batched import left_pad
 from tests.kv.test_compile import Counting, fresh_dynamo, gen, prompts  # noqa: F401 (fixture)

@@ -8,10 +8,11 @@ import weakref
 import pytest
 import torch
 
-from evalkit.engine import Engine, Inbox, ask
+from evalkit.engine import Engine
 from evalkit.kv import Full, KVCache, SnapKV, SnapStream, StreamingLLM, generate
 from evalkit.kv.prefill import PrefillRecord
 from evalkit.request import generation_config
+from evalkit.turns import Inbox, ask
 from tests.conftest import tiny_model
 from tests.kv.test_compile import Counting
 

@@ -13,11 +13,12 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from evalkit.engine import Engine, ask
+from evalkit.engine import Engine
 from evalkit.kv import StreamingLLM
 from evalkit.kv.evict import Evictor, SlotEvictor, kept
 from evalkit.kv.methods import RunFacts
 from evalkit.kv.pool import SlotPool
+from evalkit.turns import ask
 from tests.conftest import tiny_model
 from tests.kv.test_compile import Counting, fresh_dynamo, gen, prompts  # noqa: F401 (fixture)
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalkit.engine import Engine, ask
+from evalkit.engine import Engine
 from evalkit.kv import H2O
 from evalkit.kv import attention as kv_attention
+from evalkit.turns import ask
 from tests.kv.test_compile import prompts
 from tests.kv.test_decode_eviction import sharp_model
 

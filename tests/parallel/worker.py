@@ -45,12 +45,13 @@ def observe(arch: str, methods: dict = METHODS, team=None) -> dict:
     "margin": smallest greedy top-2 logit margin}} on this process of `team` (one process by default)."""
     from transformers import GenerationConfig
 
-    from evalkit.engine import Engine, ask
+    from evalkit.engine import Engine
     from evalkit.kv import KVCache
     from evalkit.kv.config import make_method
     from evalkit.loading import load_model
     from evalkit.models import ModelSpec
     from evalkit.team import Team
+    from evalkit.turns import ask
 
     team = team or Team.single()
     spec = ModelSpec(name=f"tiny_{arch}", random=TINY[arch], tokenizer="smollm2_135m", dtype=DTYPE[arch])
