@@ -250,7 +250,7 @@ class Engine:
             max_new_tokens=fed_tokens(req),
         )
         ids = torch.tensor([req.ids], device=self.model.device)
-        with shared_prefill(self.model):
+        with shared_prefill(self.model, self.tokenizer):
             out = self.model(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),

@@ -248,6 +248,22 @@ def check_decode_eviction(plans: list[Plan], model_cfg) -> None:
             )
 
 
+def check_refusals(plans: list[Plan], model_cfg) -> None:
+    """What a method declares it cannot run with (`KVMethod.refusal`), refused before the model loads. (The
+    facts are the `RunFacts` the issue-30 checks hand every method.)"""
+    from types import SimpleNamespace
+
+    mla = getattr(model_cfg.get_text_config(), "kv_lora_rank", None) is not None
+    for p in plans:
+        facts = SimpleNamespace(
+            model_name=p.cfg.model.name, mla=mla, compile=bool(p.cfg.get("compile", False)),
+            tp=parallel.LAYOUT.tp, followup=has_followup(p.cfg),
+        )  # fmt: skip
+        why = p.method.refusal(facts)
+        if why:
+            raise ConfigError(why)
+
+
 def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -421,6 +437,7 @@ def run(cfg: DictConfig) -> list[dict]:
     context = context_length(spec, model_cfg)
     check_budget(plans, context)
     check_decode_eviction(plans, model_cfg)
+    check_refusals(plans, model_cfg)
     loaded, load_kwargs = load_data(plans[0], tokenizer_path(spec), context)  # before any model loads
     setup = configure_task(plans[0]) if writer else None
     locks = [RunLock(p.out) for p in plans] if writer else []
