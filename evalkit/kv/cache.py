@@ -104,7 +104,15 @@ class KVLayer(CacheLayerMixin):
         scores = None
         if self.cache.has_topk or accumulates:  # (B, H_attn, T); pads are masked out of the softmax
             view = PrefillView(
-                query, attn_keys, values, rows.candidates, rows.pad, scaling, self.layer_idx, self.cache.rope, hint
+                query,
+                attn_keys,
+                values,
+                rows.candidates,
+                rows.pad,
+                scaling,
+                self.layer_idx,
+                self.cache.rope,
+                hint,
             )
             scores = group_mean(method.score(view), h)
         if self.cache.has_topk:

@@ -157,7 +157,9 @@ class SnapKV(KVMethod):
 
     def score(self, view):
         window = view.query[:, :, -self.window :]
-        return select.snapkv_scores(window, view.keys, view.candidates, view.pad, view.scaling, self.pool_kernel)
+        return select.snapkv_scores(
+            window, view.keys, view.candidates, view.pad, view.scaling, self.pool_kernel
+        )
 
 
 @dataclass

@@ -46,7 +46,9 @@ def template_parts(tokenizer) -> tuple[list[int], list[int]]:
     )
     context, suffix = text.split(separator)
     prefix = context.split(dummy)[0]
-    return tokenizer.encode(prefix, add_special_tokens=False), tokenizer.encode(suffix, add_special_tokens=False)
+    return tokenizer.encode(prefix, add_special_tokens=False), tokenizer.encode(
+        suffix, add_special_tokens=False
+    )
 
 
 def repeat_inputs(tokenizer, ids: list[int], chunk: int) -> list[tuple[int, int, list[int]]]:
@@ -101,7 +103,9 @@ class ReconstructionCache(Cache):
             self.scores.append(keys.new_zeros(keys.shape[:3], dtype=torch.float32))  # (B, H_kv, T)
             return
         start, end = self.span
-        self.scores[layer.layer_idx][:, :, start:end] = chunk_scores(query, keys, start, end, self.sink, scaling)
+        self.scores[layer.layer_idx][:, :, start:end] = chunk_scores(
+            query, keys, start, end, self.sink, scaling
+        )
 
     def drop_repeat(self, t: int) -> None:
         """Back to the prompt's t columns after a reconstruction forward."""

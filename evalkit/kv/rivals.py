@@ -49,10 +49,12 @@ class Scored(KVMethod):
 
     def __post_init__(self):
         _check_budget(self.name, self.budget)
-        if self.sinks < 0 or self.sinks + self.tail >= self.budget:
+        if self.sinks < 0:
+            raise ValueError(f"{self.name}: sink must be >= 0, got {self.sinks}")
+        if self.sinks + self.tail >= self.budget:
             raise ValueError(
-                f"{self.name}: sink must be in [0, budget - {self.tail}) so the top-K block keeps >= 1 entry "
-                f"(sink={self.sinks}, budget={self.budget})"
+                f"{self.name}: budget must exceed the entries always kept (sink {self.sinks} + last "
+                f"{self.tail}) so the top-K block keeps >= 1, got budget={self.budget}"
             )
 
     def blocks(self) -> tuple[int, int, int]:

@@ -29,12 +29,13 @@ import torch
 import torch.nn.functional as F
 
 
-
 @dataclass
 class PrefillView:
     """What a scorer may read of one layer's prompt (a left-padded batch of B rows, T columns)."""
 
-    query: torch.Tensor  # (B, H_q, T_q, D) post-RoPE, the prompt's last T_q columns (T_q: the method's window)
+    query: (
+        torch.Tensor
+    )  # (B, H_q, T_q, D) post-RoPE, the prompt's last T_q columns (T_q: the method's window)
     keys: torch.Tensor  # (B, H_attn, T, D) as attention sees them (post-RoPE; MLA: rebuilt per head)
     values: torch.Tensor  # (B, H_cache, T, D_v) as cached
     candidates: torch.Tensor  # (B, T) bool: the columns the top-K block may hold
@@ -197,4 +198,3 @@ def _half_swap(d: int, device) -> torch.Tensor:
     p[:half, half:] = -torch.eye(half, device=device)
     p[half:, :half] = torch.eye(half, device=device)
     return p
-
