@@ -196,32 +196,39 @@ def interval(budget: int) -> int:
 
 
 @torch.no_grad()
-def evalkit_decode(model, tok, prompt: dict, budget: int, new: int, eos: list[int]) -> dict:
-    """One engine run of snapkv_decode (the question, if any, fed as forced tokens, one per step): the tokens
-    and the kept sets at each re-selection (`refit_row` observed)."""
+def evalkit_decode(model, tok, prompt: dict, budgets, new: int, eos: list[int]) -> dict:
+    """One engine run of snapkv_decode at every budget (rows of one batch, the prompt's prefill shared; the
+    question, if any, fed as forced tokens, one per step): per budget the tokens and the kept sets at each
+    re-selection (`refit_row` observed)."""
     from evalkit.engine import Engine, Request
     from evalkit.kv import SnapKVDecode
     from evalkit.kv import pool as kv_pool
     from evalkit.kv.generate import settings
+    from evalkit.kv.prefill import PrefillRecord
 
-    method = SnapKVDecode(budget=budget, window=WINDOW, pool_kernel=KERNEL)
-    events, refit = [], kv_pool.refit_row
+    events, refit = {b: [] for b in budgets}, kv_pool.refit_row
 
     def observed(pool, r):
         refit(pool, r)
+        method = pool._methods[r]
         for i, layer in enumerate(pool.layers):
             held = layer.pos[r, :, : method.target]
-            events.append((i, [sorted(h.tolist()) for h in held], int(pool._qpos[r].max())))
+            events[method.budget].append((i, [sorted(h.tolist()) for h in held], int(pool._qpos[r].max())))
 
+    config = settings(model, {"max_new_tokens": new, "do_sample": False})
+    record, reqs = PrefillRecord(window=WINDOW), []
+    for b in budgets:
+        method = SnapKVDecode(budget=b, window=WINDOW, pool_kernel=KERNEL)
+        req = Request(str(b), prompt["context"], new, method, config, 0, forced=list(prompt["question"]))
+        req.min_new = new
+        req.record, req.replay = (record, None) if not reqs else (None, record)
+        reqs.append(req)
     kv_pool.refit_row = observed
     try:
-        config = settings(model, {"max_new_tokens": new, "do_sample": False})
-        req = Request("run", prompt["context"], new, method, config, 0, forced=list(prompt["question"]))
-        req.min_new = new
-        [done] = list(Engine(model, tok, eos, rows=1).run([req]))
+        done = list(Engine(model, tok, eos, rows=len(reqs)).run(reqs))
     finally:
         kv_pool.refit_row = refit
-    return {"tokens": done.tokens, "events": events}
+    return {int(d.request.key): {"tokens": d.tokens, "events": events[int(d.request.key)]} for d in done}
 
 
 def compare_decode(ours: dict, theirs: dict, prompts: dict) -> dict:
@@ -245,43 +252,52 @@ def compare_decode(ours: dict, theirs: dict, prompts: dict) -> dict:
             row = table.setdefault(label, {"runs": 0, "identical_tokens": 0, "per_run": []})
             row["runs"] += 1
             row["identical_tokens"] += same is None
-            row["per_run"].append({"run": key, "first_diff": same, "jaccard": sum(js) / len(js) if js else None})
+            row["per_run"].append(
+                {
+                    "run": key,
+                    "first_diff": same,
+                    "reselections": len(js) // len(mine["events"][0][1]) if js else 0,  # layer x head sets
+                    "jaccard": sum(js) / len(js) if js else None,
+                }
+            )
     return table
 
 
 DECODE_CONFIGS = {  # kvpress patched to neutralise evalkit's listed deviations, all or all but one
     "neutralised": {"sort": True, "own_rotation": True, "question_steps": True},
     "rotation_left": {"sort": True, "own_rotation": False, "question_steps": True},
-    "order_left": {"sort": False, "own_rotation": True, "question_steps": True},
     "question_left": {"sort": True, "own_rotation": True, "question_steps": False},
     "as_is": {"sort": False, "own_rotation": False, "question_steps": False},
 }
+QUERY_AWARE = ("neutralised", "rotation_left", "as_is")  # no question is fed: question_steps plays no part
+QUERY_AGNOSTIC = ("neutralised", "question_left")
 
 
 def decode_mode(model, tok, folder: str, python: str, args) -> dict:
-    prompts = needle_prompts(tok, [("niah_single_1", 1024, 1 if args.quick else 3), ("niah_multikey_2", 1024, 1)])
+    """~1k-token prompts (RULER niah_single_1 x3, niah_multikey_2, natural text; --quick: one), query-aware
+    (the whole prompt prefilled) and query-agnostic (the needle prompts' questions fed after the context)."""
+    prompts = needle_prompts(tok, [("niah_single_1", 1024, 1 if args.quick else 3)])
     if not args.quick:
+        prompts.update(needle_prompts(tok, [("niah_multikey_2", 1024, 1)]))
         prompts.update(natural_prompts(tok, [1024]))
-    budgets = args.budgets
     eos = sorted({model.generation_config.eos_token_id, tok.eos_token_id} - {None})
     out = {}
-    for aware in (True, False):
-        runs = {n: ({"context": p["context"] + p["question"], "question": []} if aware else p) for n, p in prompts.items()}
-        if not aware:  # the question matters only where it is long enough to hold a re-selection
-            runs = {n: p for n, p in runs.items() if n.startswith("niah")}
-        configs = {k: v for k, v in DECODE_CONFIGS.items() if aware or k in ("neutralised", "question_left", "as_is")}
+    for aware, labels in ((True, QUERY_AWARE), (False, QUERY_AGNOSTIC)):
         if aware:
-            configs.pop("question_left")
+            runs = {n: {"context": p["context"] + p["question"], "question": []} for n, p in prompts.items()}
+        else:  # a question long enough to hold a re-selection: the needle prompts'
+            runs = {n: p for n, p in prompts.items() if n.startswith("niah")}
+        configs = {k: DECODE_CONFIGS[k] for k in (labels[:1] if args.quick else labels)}
         s = {
-            "budgets": budgets, "window": WINDOW, "kernel": KERNEL, "new": args.new, "eos": eos,
-            "interval": {str(b): interval(b) for b in budgets}, "configs": configs,
+            "budgets": args.budgets, "window": WINDOW, "kernel": KERNEL, "new": args.new, "eos": eos,
+            "interval": {str(b): interval(b) for b in args.budgets}, "configs": configs,
         }  # fmt: skip
         theirs = run_kvpress(python, {"mode": "decode", "model": folder, "settings": s, "prompts": runs})
         ours = {}
         for name, p in runs.items():
-            for b in budgets:
-                ours[f"{name}/{b}"] = evalkit_decode(model, tok, p, b, args.new, eos)
-                print(f"evalkit decode {name} budget {b}", flush=True)
+            for b, got in evalkit_decode(model, tok, p, args.budgets, args.new, eos).items():
+                ours[f"{name}/{b}"] = got
+            print(f"evalkit decode {name}", flush=True)
         out["query_aware" if aware else "query_agnostic"] = compare_decode(ours, theirs, runs)
     return out
 
@@ -310,11 +326,16 @@ def markdown(mode: str, result) -> str:
         return "\n".join(lines) + "\n"
     lines = []
     for setting, table in result.items():
-        lines += [f"{setting}:", "| kvpress | identical tokens | Jaccard per run (mean) |", "|---|---|---|"]
+        lines += [
+            f"{setting}:",
+            "| kvpress | identical tokens | Jaccard per run: min-max (mean) | layer re-selections compared |",
+            "|---|---|---|---|",
+        ]
         for label, row in table.items():
             js = [r["jaccard"] for r in row["per_run"] if r["jaccard"] is not None]
             span = f"{min(js):.3f}-{max(js):.3f} ({sum(js) / len(js):.3f})" if js else "-"
-            lines.append(f"| {label} | {row['identical_tokens']}/{row['runs']} | {span} |")
+            n = sum(r["reselections"] for r in row["per_run"])
+            lines.append(f"| {label} | {row['identical_tokens']}/{row['runs']} | {span} | {n} |")
     return "\n".join(lines) + "\n"
 
 
@@ -323,12 +344,14 @@ def main(argv=None) -> dict:
     ap.add_argument("mode", choices=["prefill", "decode"])
     ap.add_argument("--kvpress-python", default=None)
     ap.add_argument("--budgets", type=lambda v: [int(x) for x in v.split(",")], default=None)
-    ap.add_argument("--new", type=int, default=160, help="decode: tokens generated per run")
+    ap.add_argument("--new", type=int, default=100, help="decode: tokens generated per run")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     python = kvpress_python(args.kvpress_python)
-    args.budgets = args.budgets or ([128, 256] if args.quick else [128, 256, 512])
+    if args.budgets is None:  # decode: budgets whose interval (max(budget / 4, window + 1)) fits --new often
+        full, quick = ([128, 256, 512], [128, 256]) if args.mode == "prefill" else ([96, 128, 192], [128])
+        args.budgets = quick if args.quick else full
     from evalkit.config import model_spec
     from evalkit.models import load_model
     from evalkit.sources import resolve_source

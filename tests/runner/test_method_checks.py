@@ -53,3 +53,25 @@ def test_a_task_with_a_followup_call_is_refused(tmp_path, method):
 def test_followups_are_read_from_the_task_yaml(tmp_path):
     assert runner.has_followup(compose(overrides=["task=longbench_v2_cot"]))
     assert not runner.has_followup(compose(overrides=["task=longbench_v2"]))
+
+
+@pytest.mark.parametrize(
+    "method, why",
+    [
+        ("expected_attention", "expected_attention undoes RoPE on the full query head, but tiny_deepseek"),
+        ("kvzip", "kvzip scores the prompt's keys in a second pass, but tiny_deepseek caches MLA's latent"),
+    ],
+)
+def test_rivals_that_need_per_head_keys_are_refused_on_mla(tmp_path, method, why):
+    with pytest.raises(ConfigError, match=why):
+        fresh_run("model=tiny_deepseek", f"method={method}", *SMALL, results=tmp_path)
+    for arch in ("tiny_llama", "tiny_deepseek"):  # the rest take MLA's per-head keys as attention reads them
+        plans = runner.plans_for(compose(overrides=[f"model={arch}", "method=knorm", f"results_dir={tmp_path}"]))
+        runner.check_refusals(plans, model_config(plans[0].spec, resolve_source(plans[0].spec)))
+
+
+def test_kvzip_under_tp_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(parallel, "LAYOUT", parallel.Layout(tp=2))
+    plans = runner.plans_for(compose(overrides=["model=tiny_llama", "method=kvzip", f"results_dir={tmp_path}"]))
+    with pytest.raises(ConfigError, match="reconstruction pass is not yet run under tensor parallelism"):
+        runner.check_refusals(plans, model_config(plans[0].spec, resolve_source(plans[0].spec)))
