@@ -1,6 +1,6 @@
-"""The kvpress side of `scripts/kvpress_side_by_side.py`: run in kvpress 0.5.5's own venv (it pins transformers
-< 5.3), never imported by evalkit. It reads `request.json` from a work folder (token ids, settings), runs
-kvpress's presses on the same model folder and writes the kept sets to `kvpress.pt`.
+"""The kvpress side of `scripts/kvpress_side_by_side.py`: run in kvpress 0.5.5's own venv (it pins
+transformers < 5.3), never imported by evalkit. It reads `request.json` from a work folder (token ids,
+settings), runs kvpress's presses on the same model folder and writes the kept sets to `kvpress.pt`.
 
     /work/wt/kvpress-venv/bin/python scripts/kvpress_reference.py WORK
 
@@ -178,7 +178,9 @@ class Tracker:
     def __init__(self, sort: bool, own_rotation: bool):
         self.sort, self.own_rotation = sort, own_rotation
         self.pos: dict[int, torch.Tensor] = {}  # layer -> (H, n) positions in storage order
-        self.events: list[tuple[int, list[list[int]]]] = []  # (layer, kept positions per head) per compression
+        self.events: list[
+            tuple[int, list[list[int]]]
+        ] = []  # (layer, kept positions per head) per compression
         self.cur = 0  # position of the current forward's last token
 
     def compress(self, press, module, hidden_states, keys, values, attentions, kwargs):
@@ -266,7 +268,9 @@ def decode_run(model, start, question: list[int], s: dict, budget: int, config: 
         with torch.no_grad(), press(model):
             for chunk in feed:  # the question: one forward, or one per token (each a decode step)
                 positions = torch.arange(at, at + len(chunk))[None]
-                logits = model(input_ids=torch.tensor([chunk]), past_key_values=cache, position_ids=positions).logits
+                logits = model(
+                    input_ids=torch.tensor([chunk]), past_key_values=cache, position_ids=positions
+                ).logits
                 at += len(chunk)
             while True:
                 step = logits[0, -1].clone()

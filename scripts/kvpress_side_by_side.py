@@ -41,7 +41,7 @@ SINK, FUTURE, CHUNK = 4, 512, 2048  # kvpress defaults for ExpectedAttentionPres
 WINDOW, KERNEL = 32, 7
 
 
-# --- prompts: token ids both sides read ----------------------------------------------------------------------
+# --- prompts: token ids both sides read -------------------------------------------------------------------
 def split(tok, text: str, at: int) -> dict:
     """The prompt's ids split at the character `at` (the token that straddles it goes to the question)."""
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -99,7 +99,7 @@ def run_kvpress(python: str, request: dict) -> dict:
         return torch.load(Path(work) / "kvpress.pt")
 
 
-# --- the evalkit side ----------------------------------------------------------------------------------------
+# --- the evalkit side -------------------------------------------------------------------------------------
 def rivals(budget: int) -> list:
     from evalkit.kv import TOVA, ExpectedAttention, KeyDiff, KNorm, KVzip
 
@@ -166,7 +166,9 @@ def compare_prefill(ours: dict, theirs: dict, prompts: dict) -> list[dict]:
         length = len(prompts[name]["context"])
         for key, sets in got.items():
             method, b = key.split("/")
-            readings = [(method, key)] + ([("kvzip_uniform", f"kvzip_uniform/{b}")] if method == "kvzip" else [])
+            readings = [(method, key)] + (
+                [("kvzip_uniform", f"kvzip_uniform/{b}")] if method == "kvzip" else []
+            )
             for label, their_key in readings:
                 skip = protected(method, length)
                 js = [
@@ -232,8 +234,8 @@ def evalkit_decode(model, tok, prompt: dict, budgets, new: int, eos: list[int]) 
 
 
 def compare_decode(ours: dict, theirs: dict, prompts: dict) -> dict:
-    """Per kvpress configuration: runs with identical tokens, and the kept-set Jaccard (window left out) at the
-    re-selections both made before the first differing token, per run."""
+    """Per kvpress configuration: runs with identical tokens, and the kept-set Jaccard (window left out) at
+    the re-selections both made before the first differing token, per run."""
     table = {}
     for key, mine in ours.items():
         name = key.split("/")[0]
@@ -352,11 +354,11 @@ def main(argv=None) -> dict:
     if args.budgets is None:  # decode: budgets whose interval (max(budget / 4, window + 1)) fits --new often
         full, quick = ([128, 256, 512], [128, 256]) if args.mode == "prefill" else ([96, 128, 192], [128])
         args.budgets = quick if args.quick else full
+    from transformers.utils import logging as hf_logging
+
     from evalkit.config import model_spec
     from evalkit.models import load_model
     from evalkit.sources import resolve_source
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     spec = model_spec("smollm2_135m")

@@ -88,7 +88,7 @@ class KVLayer(CacheLayerMixin):
         self, query: torch.Tensor, attn_keys: torch.Tensor, attention_mask, scaling: float, hint=None
     ) -> None:
         """Keep the method's selection of the prompt. query (B, H_q, T, D) post-RoPE; attn_keys as attention
-        saw them; hint (B, H, T): scores a pass before this prefill computed (`prefill.PrefillRecord.hints`)."""
+        saw them; hint (B, H, T): scores a pass before this prefill computed (`PrefillRecord.hints`)."""
         keys, values = self.pending
         self.pending = None
         if self.cache.record is not None:

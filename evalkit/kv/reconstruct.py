@@ -1,15 +1,15 @@
-"""KVzip's reconstruction pass (Kim et al., 2025, arXiv 2505.23416; kvpress 0.5.5 `KVzipPress`), run inside the
-engine's prefill before the prompt is compressed.
+"""KVzip's reconstruction pass (Kim et al., 2025, arXiv 2505.23416; kvpress 0.5.5 `KVzipPress`), run inside
+the engine's prefill before the prompt is compressed.
 
 The prompt is prefilled into a full cache (`ReconstructionCache`, recording what a shared prefill records:
 `prefill.PrefillRecord`); then the model is asked to repeat it: for each chunk of `chunk` prompt tokens (after
-the chat template's prefix) the input "\\n\\nRepeat the previous context exactly." (later chunks: "... starting
-with" and the previous chunk's last 8 tokens), the chat template's end of user turn and assistant start, then
-the chunk itself, is run on that cache. Each layer scores the chunk's entries by the attention the repeating
+the chat template's prefix) the input "\\n\\nRepeat the previous context exactly." (later chunks: "...
+starting with" and the previous chunk's last 8 tokens), the chat template's end of user turn and assistant
+start, then the chunk itself, is run on that cache. Each layer scores the chunk's entries by the attention the repeating
 queries pay them, softmaxed over the sinks, the chunk and the repeat input only (kvpress's
 `_compute_cross_attention`), the max over the queries and the heads sharing a KV head. The repeat input's
-entries are dropped after each chunk. The scores ride in the record (`record.hints`), and the method's cache is
-then populated from the record as a replayed budget is (`prefill.populate`): the budgets of a budget list
+entries are dropped after each chunk. The scores ride in the record (`record.hints`), and the method's cache
+is then populated from the record as a replayed budget is (`prefill.populate`): the budgets of a budget list
 share the prompt's prefill and its reconstruction pass, since the scores do not depend on the budget.
 
 Where it cannot run (refused before the model loads, `KVzip.refusal`): MLA models (attention rebuilds the
@@ -69,7 +69,7 @@ def repeat_inputs(tokenizer, ids: list[int], chunk: int) -> list[tuple[int, int,
 
 
 class _Layer(DynamicLayer):
-    """A full-cache layer that hands attention this layer after every update, so `observe` sees the queries."""
+    """A full-cache layer that hands itself to attention after every update, so `observe` sees the queries."""
 
     pending = True  # what the attention hand-off reads: call `compress` with this forward's queries
 

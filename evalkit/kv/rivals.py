@@ -152,8 +152,8 @@ class KVzip(Scored):
     def refusal(self, facts) -> str | None:
         if facts.mla:
             return (
-                f"method {self.name} scores the prompt's keys in a second pass, but {facts.model_name} caches "
-                "MLA's latent (keys are rebuilt inside attention): use snapkv, snapstream or h2o"
+                f"method {self.name} scores the prompt's keys in a second pass, but {facts.model_name} "
+                "caches MLA's latent (keys are rebuilt inside attention): use snapkv, snapstream or h2o"
             )
         if facts.tp > 1:
             return (

@@ -179,9 +179,9 @@ class ReconstructionScore:
     def __call__(self, view: PrefillView) -> torch.Tensor:
         if view.hint is None:
             raise ValueError(
-                "kvzip scores the prompt by a reconstruction pass that the engine's prefill runs first: decode "
-                "through evalkit.kv.generate(..., tokenizer=...) or the runner, not model.generate with a "
-                "KVCache"
+                "kvzip scores the prompt by a reconstruction pass that the engine's prefill runs first: "
+                "decode through evalkit.kv.generate(..., tokenizer=...) or the runner, not model.generate "
+                "with a KVCache"
             )
         return view.hint.float().masked_fill(~view.real()[:, None, :], float("-inf"))
 

@@ -2,7 +2,8 @@
 (`scripts/kvpress_side_by_side.py --quick`: one ~1k-token RULER needle prompt, budgets 128 and 256).
 
 kvpress pins transformers < 5.3, so it runs in its own venv, named by `$EVALKIT_KVPRESS_PYTHON` (default
-/work/wt/kvpress-venv/bin/python); without it these tests skip. The full figures: docs/deviations.md#kv-methods.
+/work/wt/kvpress-venv/bin/python); without it these tests skip. The full figures:
+docs/deviations.md#kv-methods.
 """
 
 import importlib.util
@@ -25,7 +26,9 @@ pytestmark = [
 
 
 def script():
-    spec = importlib.util.spec_from_file_location("kvpress_side_by_side", ROOT / "scripts/kvpress_side_by_side.py")
+    spec = importlib.util.spec_from_file_location(
+        "kvpress_side_by_side", ROOT / "scripts/kvpress_side_by_side.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -79,7 +79,7 @@ def top_sets(scores, fixed, budget):
     return keep, gap
 
 
-# --- the references: float64, from the spied post-RoPE Q/K/V (and the hidden states for expected attention) ---
+# --- the references: float64, from the spied post-RoPE Q/K/V (expected attention: the hidden states) ---
 
 
 def knorm_ref(q, k, v, scaling, method, model, hidden):
@@ -148,8 +148,8 @@ def expected_attention_ref(q, k, v, scaling, method, model, hidden):
 
 
 def kvzip_ref(passes, method):
-    """kvzip_press.py: per chunk [start, end) of the prompt, the repeat input's queries attend (softmax) to the
-    sinks `keys[:, :, :sink]`, the chunk and the input itself (causal); `attn_weights[..., sink : sink +
+    """kvzip_press.py: per chunk [start, end) of the prompt, the repeat input's queries attend (softmax) to
+    the sinks `keys[:, :, :sink]`, the chunk and the input itself (causal); `attn_weights[..., sink : sink +
     ctx_len].amax(dim=(-3, -2))` (max over the group's heads and the queries); compress_post: sinks kept."""
     scaling = passes[0][3]
     h_kv = passes[0][1].shape[0]
@@ -206,8 +206,8 @@ def test_selection_matches_float64_reference(arch, method, spy):
 
 def test_kvzip_matches_float64_reference(spy):
     """Three reconstruction chunks (64, 64, 22 tokens) in the engine's prefill (`shared_prefill`): the spied
-    forwards are the prompt's, then one per chunk whose input is kvpress's repeat prompt; the kept sets are the
-    reference's from those queries and keys."""
+    forwards are the prompt's, then one per chunk whose input is kvpress's repeat prompt; the kept sets are
+    the reference's from those queries and keys."""
     model, method, tok = tiny_model("llama", seed=3), KVzip(budget=40, chunk=64), StubTokenizer()
     ids = prompt()
     cache = KVCache.for_model(method, model)
@@ -223,8 +223,8 @@ def test_kvzip_matches_float64_reference(spy):
 
 @pytest.mark.parametrize("method", [*METHODS, KVzip(budget=40, chunk=64)], ids=lambda m: m.name)
 def test_batch_equals_single(method):
-    """A left-padded batch of three prompts through the engine (`evalkit.kv.generate`) gives each row the tokens
-    that prompt gives alone."""
+    """A left-padded batch of three prompts through the engine (`evalkit.kv.generate`) gives each row the
+    tokens that prompt gives alone."""
     model = tiny_model("llama", seed=5)
     lengths = [150, 97, 61]
     rows = [prompt(seed=10 + i, n=n)[0] for i, n in enumerate(lengths)]

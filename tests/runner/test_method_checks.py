@@ -66,12 +66,16 @@ def test_rivals_that_need_per_head_keys_are_refused_on_mla(tmp_path, method, why
     with pytest.raises(ConfigError, match=why):
         fresh_run("model=tiny_deepseek", f"method={method}", *SMALL, results=tmp_path)
     for arch in ("tiny_llama", "tiny_deepseek"):  # the rest take MLA's per-head keys as attention reads them
-        plans = runner.plans_for(compose(overrides=[f"model={arch}", "method=knorm", f"results_dir={tmp_path}"]))
+        plans = runner.plans_for(
+            compose(overrides=[f"model={arch}", "method=knorm", f"results_dir={tmp_path}"])
+        )
         runner.check_refusals(plans, model_config(plans[0].spec, resolve_source(plans[0].spec)))
 
 
 def test_kvzip_under_tp_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(parallel, "LAYOUT", parallel.Layout(tp=2))
-    plans = runner.plans_for(compose(overrides=["model=tiny_llama", "method=kvzip", f"results_dir={tmp_path}"]))
+    plans = runner.plans_for(
+        compose(overrides=["model=tiny_llama", "method=kvzip", f"results_dir={tmp_path}"])
+    )
     with pytest.raises(ConfigError, match="reconstruction pass is not yet run under tensor parallelism"):
         runner.check_refusals(plans, model_config(plans[0].spec, resolve_source(plans[0].spec)))
