@@ -5,8 +5,8 @@ The prompt is prefilled into a full cache (`ReconstructionCache`, recording what
 `prefill.PrefillRecord`); then the model is asked to repeat it: for each chunk of `chunk` prompt tokens (after
 the chat template's prefix) the input "\\n\\nRepeat the previous context exactly." (later chunks: "...
 starting with" and the previous chunk's last 8 tokens), the chat template's end of user turn and assistant
-start, then the chunk itself, is run on that cache. Each layer scores the chunk's entries by the attention the repeating
-queries pay them, softmaxed over the sinks, the chunk and the repeat input only (kvpress's
+start, then the chunk itself, is run on that cache. Each layer scores the chunk's entries by the attention the
+repeating queries pay them, softmaxed over the sinks, the chunk and the repeat input only (kvpress's
 `_compute_cross_attention`), the max over the queries and the heads sharing a KV head. The repeat input's
 entries are dropped after each chunk. The scores ride in the record (`record.hints`), and the method's cache
 is then populated from the record as a replayed budget is (`prefill.populate`): the budgets of a budget list
