@@ -12,7 +12,7 @@ import pandas as pd
 from evalkit import metrics as metrics_record
 from evalkit.memory.layout import GpuLayout, gpu_layout
 from evalkit.memory.model import MemoryReportError, kv_geometry, load_hf_config, model_spec
-from evalkit.memory.sim import Deployment, GiB, Hardware, canonical_method, kv_entries
+from evalkit.memory.sim import METHOD_ALIASES, Deployment, GiB, Hardware, canonical_method, kv_entries
 from evalkit.memory.validate import validate
 
 log = logging.getLogger(__name__)
@@ -185,12 +185,22 @@ def paper_check(dep: Deployment, cfg: dict) -> list[dict[str, Any]]:
     return out
 
 
+def appends(method: str) -> bool:
+    """The method keeps a selection of its prompt, then appends every decoded token (its class is not a
+    fixed-size ring: snapkv and the rival prefill methods knorm, keydiff, tova, expected_attention, kvzip)."""
+    from evalkit.config import group_config
+    from evalkit.kv.config import method_class
+
+    return method != "full" and not method_class(group_config("method", method).get("_target_")).ring
+
+
 def run_entries(method: str, budget: int | None, prompt: int, seen: int) -> int:
     """Slots an evalkit cache holds after `seen` tokens of which `prompt` were the prompt: fixed-size
-    caches hold B (static shape), full every token, snapkv min(prompt, B) then every decoded token."""
+    caches hold B (static shape), full every token, an appending method (snapkv) min(prompt, B) then every
+    decoded token."""
     if method == "full":
         return seen
-    if method == "snapkv":
+    if appends(method):
         return min(prompt, int(budget)) + (seen - prompt)
     return int(budget)
 
@@ -206,7 +216,8 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
         try:
             m = metrics_record.load(path, strict=False)
             hf_config, dtype, kv = m.model["hf_config"], m.model["dtype"], m.kv
-            method, budget = canonical_method(m.method["name"]), m.method.get("budget")
+            # any method with a conf: its cache slots follow from its class (`run_entries`)
+            method, budget = METHOD_ALIASES.get(m.method["name"], m.method["name"]), m.method.get("budget")
             peak_bytes, peak_entries = int(kv["peak_bytes"]), int(kv["peak_entries"])
             geo = kv_geometry(hf_config, dtype, kv["cache_layout"])
             if kv.get("peak_seen_tokens") is not None:
