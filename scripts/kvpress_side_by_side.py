@@ -20,7 +20,9 @@ the entries both always keep (sinks, TOVA's last token) left out. `decode`: snap
 `DecodingPress(SnapKVPress)` after a prefill SnapKVPress, greedy with EOS suppressed for `--new` tokens, on
 ~1k-token prompts at three budgets, query-aware and query-agnostic, with kvpress patched to neutralise each
 listed deviation in turn; tokens compared, and the kept sets at every re-selection up to the first differing
-token. Results: `--out` (default results/kvpress/<mode>.json and .md). `--quick`: one 1k needle prompt and
+token. Results: `--out` (default results/kvpress/<mode>.json and .md; kvpress's kept sets beside them,
+`<mode>.kvpress*.pt`, reused when the same request runs again, so a change on evalkit's side is re-measured
+without running kvpress). `--quick`: one 1k needle prompt and
 two budgets (the slow test, tests/kv/test_kvpress_side_by_side.py).
 """
 
@@ -92,11 +94,19 @@ def kvpress_python(given: str | None) -> str:
     return path
 
 
-def run_kvpress(python: str, request: dict) -> dict:
+def run_kvpress(python: str, request: dict, keep: Path) -> dict:
+    """kvpress's kept sets for `request`, kept at `keep` (`--reuse` reads them back when the request is the
+    same: evalkit's side can be re-measured without running kvpress again)."""
+    if keep.exists():
+        saved = torch.load(keep)
+        if saved["request"] == request:
+            return saved["result"]
     with tempfile.TemporaryDirectory() as work:
         (Path(work) / "request.json").write_text(json.dumps(request))
         subprocess.run([python, str(ROOT / "scripts/kvpress_reference.py"), work], check=True)
-        return torch.load(Path(work) / "kvpress.pt")
+        result = torch.load(Path(work) / "kvpress.pt")
+    torch.save({"request": request, "result": result}, keep)
+    return result
 
 
 # --- the evalkit side -------------------------------------------------------------------------------------
@@ -294,7 +304,10 @@ def decode_mode(model, tok, folder: str, python: str, args) -> dict:
             "budgets": args.budgets, "window": WINDOW, "kernel": KERNEL, "new": args.new, "eos": eos,
             "interval": {str(b): interval(b) for b in args.budgets}, "configs": configs,
         }  # fmt: skip
-        theirs = run_kvpress(python, {"mode": "decode", "model": folder, "settings": s, "prompts": runs})
+        request = {"mode": "decode", "model": folder, "settings": s, "prompts": runs}
+        theirs = run_kvpress(
+            python, request, args.kept.with_suffix(f".{'aware' if aware else 'agnostic'}.pt")
+        )
         ours = {}
         for name, p in runs.items():
             for b, got in evalkit_decode(model, tok, p, args.budgets, args.new, eos).items():
@@ -312,7 +325,8 @@ def prefill_mode(model, tok, folder: str, python: str, args) -> list[dict]:
         prompts.update(needle_prompts(tok, [("niah_multikey_2", 2048, 1)]))
         prompts.update(natural_prompts(tok, [1024, 4096]))
     s = {"budgets": args.budgets, "sink": SINK, "future": FUTURE, "chunk": CHUNK, "check": True}
-    theirs = run_kvpress(python, {"mode": "prefill", "model": folder, "settings": s, "prompts": prompts})
+    request = {"mode": "prefill", "model": folder, "settings": s, "prompts": prompts}
+    theirs = run_kvpress(python, request, args.kept.with_suffix(".pt"))
     ours = evalkit_prefill(model, tok, prompts, args.budgets)
     return compare_prefill(ours, theirs, prompts)
 
@@ -364,9 +378,10 @@ def main(argv=None) -> dict:
     spec = model_spec("smollm2_135m")
     model, tok = load_model(spec)
     folder = resolve_source(spec)
-    result = (prefill_mode if args.mode == "prefill" else decode_mode)(model, tok, folder, python, args)
     out = args.out or ROOT / "results/kvpress" / args.mode
     out.parent.mkdir(parents=True, exist_ok=True)
+    args.kept = out.with_name(out.name + ".kvpress")  # kvpress's kept sets, reused for the same request
+    result = (prefill_mode if args.mode == "prefill" else decode_mode)(model, tok, folder, python, args)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     out.with_suffix(".md").write_text(markdown(args.mode, result))
     print(markdown(args.mode, result))

@@ -98,13 +98,12 @@ class LastQueryScore:
     queries: ClassVar[int] = 1
 
     def __call__(self, view: PrefillView) -> torch.Tensor:
-        q = view.query[:, :, -1:].float()  # (B, H_q, 1, D)
-        k = view.keys.float()
-        h_q, h_attn = q.shape[1], k.shape[1]
-        k = k.repeat_interleave(h_q // h_attn, dim=1)  # (B, H_q, T, D)
-        logits = torch.matmul(q, k.transpose(-1, -2))[:, :, 0] * view.scaling  # (B, H_q, T)
-        probs = torch.softmax(logits.masked_fill(~view.real()[:, None, :], float("-inf")), dim=-1)
-        return _masked(probs.mean(dim=1, keepdim=True).expand(-1, h_attn, -1), view)
+        k = view.keys.float()  # (B, H_attn, T, D)
+        b, h_attn = k.shape[:2]
+        q = view.query[:, :, -1].float().view(b, h_attn, -1, k.shape[-1])  # (B, H_attn, g, D) the last query
+        logits = torch.matmul(q, k.transpose(-1, -2)) * view.scaling  # (B, H_attn, g, T), keys never repeated
+        probs = torch.softmax(logits.masked_fill(~view.real()[:, None, None, :], float("-inf")), dim=-1)
+        return _masked(probs.mean(dim=(1, 2))[:, None].expand(-1, h_attn, -1), view)
 
 
 @dataclass(frozen=True)
@@ -129,17 +128,17 @@ class ExpectedAttentionScore:
         if t != view.keys.shape[2]:
             raise ValueError(f"expected_attention reads every prompt query, got {t} of {view.keys.shape[2]}")
         mu, cov = self.statistics(view)  # (B, H_q, D), (B, H_q, D, D) at the future positions
-        k = view.keys.float()
+        k = view.keys.float()  # (B, H_attn, T, D): the query heads of a group read their KV head's keys
         h_attn = k.shape[1]
         g = h_q // h_attn
-        k = k.repeat_interleave(g, dim=1)  # (B, H_q, T, D)
-        logits = torch.einsum("bhtd,bhd->bht", k, mu) * view.scaling
+        mu, cov = mu.view(b, h_attn, g, d), cov.view(b, h_attn, g, d, d)
+        logits = torch.einsum("bhtd,bhgd->bhgt", k, mu) * view.scaling
         if self.covariance:
-            logits += torch.einsum("bhtd,bhde,bhte->bht", k, cov, k) * (view.scaling**2 / 2)
+            logits += torch.einsum("bhtd,bhgde,bhte->bhgt", k, cov, k) * (view.scaling**2 / 2)
         cols = torch.arange(t, device=k.device)[None, :]
         scored = view.real() & (cols >= view.pad[:, None] + self.sink)  # (B, T) the non-sink keys
-        probs = torch.softmax(logits.masked_fill(~scored[:, None], float("-inf")), dim=-1)
-        scores = probs.view(b, h_attn, g, t).mean(dim=2)  # (B, H_attn, T)
+        probs = torch.softmax(logits.masked_fill(~scored[:, None, None], float("-inf")), dim=-1)
+        scores = probs.mean(dim=2)  # (B, H_attn, T)
         if self.value_norm:
             scores = (scores + self.epsilon) * view.values.float().norm(dim=-1)
         return scores.masked_fill(~scored[:, None], float("-inf"))
@@ -150,7 +149,7 @@ class ExpectedAttentionScore:
         q = view.query.float()  # (B, H_q, T, D) post-RoPE
         b, _, t, d = q.shape
         positions = (torch.arange(t, device=q.device)[None, :] - view.pad[:, None]).clamp(min=0)  # (B, T)
-        cos, sin = (x.float()[:, None] for x in view.rope(positions))  # (B, 1, T, D)
+        cos, sin = (x.float().to(q.device)[:, None] for x in view.rope(positions))  # (B, 1, T, D)
         # undo RoPE: q = (q' cos - rotate_half(q') sin) / (cos^2 + sin^2) (the rope may carry a scale)
         pre = (q * cos - _rotate_half(q) * sin) / (cos**2 + sin**2)
         used = view.real() & (torch.arange(t, device=q.device)[None, :] >= view.pad[:, None] + self.sink)
@@ -161,7 +160,7 @@ class ExpectedAttentionScore:
         cov = torch.einsum("bhti,bhtj->bhij", centred, centred) / n  # (B, H_q, D, D)
         length = t - view.pad  # (B,) each row's prompt length: its future starts there
         ahead = length[:, None] + torch.arange(self.future, device=q.device)[None, :]  # (B, n)
-        cos_f, sin_f = (x.float().mean(dim=1) for x in view.rope(ahead))  # (B, D) mean over the future
+        cos_f, sin_f = (x.float().to(q.device).mean(dim=1) for x in view.rope(ahead))  # (B, D): future mean
         rot = torch.diag_embed(cos_f) + sin_f[:, :, None] * _half_swap(d, q.device)  # (B, D, D): mean R
         mu = torch.einsum("bij,bhj->bhi", rot, mu[:, :, 0])
         cov = rot[:, None] @ cov @ rot[:, None].transpose(-1, -2)
