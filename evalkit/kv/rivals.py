@@ -124,7 +124,7 @@ class ExpectedAttention(Scored):
                 f"method {self.name} undoes RoPE on the full query head, but {facts.model_name} rotates only "
                 "part of an MLA head: use snapkv, snapstream or h2o"
             )
-        return None
+        return super().refusal(facts)
 
 
 @dataclass
@@ -160,4 +160,4 @@ class KVzip(Scored):
                 f"method {self.name}'s reconstruction pass is not yet run under tensor parallelism: run one "
                 "process, or data parallel replicas"
             )
-        return None
+        return super().refusal(facts)
