@@ -76,7 +76,7 @@ def shared_prefill(model, tokenizer=None):
         replay = getattr(cache, "replay", None)
         if replay is not None and cache.rows is None:
             populate(cache, replay)
-            return CausalLMOutputWithPast(logits=replay.logits, past_key_values=cache)
+            return CausalLMOutputWithPast(logits=replay.logits, cache=cache)
         method = getattr(cache, "method", None)
         if method is None or args or cache.rows is not None:  # not an evalkit prefill: the plain forward
             out = original(*args, **kwargs)
