@@ -95,18 +95,31 @@ def kvpress_python(given: str | None) -> str:
 
 
 def run_kvpress(python: str, request: dict, keep: Path) -> dict:
-    """kvpress's kept sets for `request`, kept at `keep` (`--reuse` reads them back when the request is the
-    same: evalkit's side can be re-measured without running kvpress again)."""
-    if keep.exists():
-        saved = torch.load(keep)
-        if saved["request"] == request:
+    """kvpress's kept sets for `request`, kept at `keep` and read back when the same request runs again
+    (evalkit's side can be re-measured without running kvpress; a decode request that adds kvpress
+    configurations runs only those)."""
+    saved = torch.load(keep) if keep.exists() else None
+    todo = request
+    if saved is not None and _without_configs(saved["request"]) == _without_configs(request):
+        have = saved["request"]["settings"].get("configs", {})
+        missing = {k: v for k, v in request["settings"].get("configs", {}).items() if have.get(k) != v}
+        if not missing and saved["request"] == request:
             return saved["result"]
+        todo = {**request, "settings": {**request["settings"], "configs": missing}}
+    else:
+        saved = None
     with tempfile.TemporaryDirectory() as work:
-        (Path(work) / "request.json").write_text(json.dumps(request))
+        (Path(work) / "request.json").write_text(json.dumps(todo))
         subprocess.run([python, str(ROOT / "scripts/kvpress_reference.py"), work], check=True)
         result = torch.load(Path(work) / "kvpress.pt")
+    if saved is not None:
+        result = {**saved["result"], **result}
     torch.save({"request": request, "result": result}, keep)
     return result
+
+
+def _without_configs(request: dict) -> dict:
+    return {**request, "settings": {k: v for k, v in request["settings"].items() if k != "configs"}}
 
 
 # --- the evalkit side -------------------------------------------------------------------------------------
@@ -278,10 +291,11 @@ def compare_decode(ours: dict, theirs: dict, prompts: dict) -> dict:
 DECODE_CONFIGS = {  # kvpress patched to neutralise evalkit's listed deviations, all or all but one
     "neutralised": {"sort": True, "own_rotation": True, "question_steps": True},
     "rotation_left": {"sort": True, "own_rotation": False, "question_steps": True},
+    "order_left": {"sort": False, "own_rotation": True, "question_steps": True},
     "question_left": {"sort": True, "own_rotation": True, "question_steps": False},
     "as_is": {"sort": False, "own_rotation": False, "question_steps": False},
 }
-QUERY_AWARE = ("neutralised", "rotation_left", "as_is")  # no question is fed: question_steps plays no part
+QUERY_AWARE = ("neutralised", "rotation_left", "order_left", "as_is")  # no question fed: no question_steps
 QUERY_AGNOSTIC = ("neutralised", "question_left")
 
 
