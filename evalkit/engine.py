@@ -289,7 +289,7 @@ class Engine:
             agree=self.cache_agree,
         )
         ids = torch.tensor([conv.ids], device=self.model.device)
-        with shared_prefill(self.model):
+        with shared_prefill(self.model, self.tokenizer):
             out = self.model(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),

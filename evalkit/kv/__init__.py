@@ -13,6 +13,7 @@ from evalkit.kv.attention import attach, register
 from evalkit.kv.cache import KVCache
 from evalkit.kv.generate import generate
 from evalkit.kv.methods import H2O, Full, KVMethod, SnapKV, SnapKVDecode, SnapStream, StreamingLLM
+from evalkit.kv.rivals import TOVA, ExpectedAttention, KeyDiff, KNorm, KVzip
 from evalkit.kv.static import StaticKVCache
 
 register()
@@ -28,6 +29,11 @@ __all__ = [
     "SnapStream",
     "H2O",
     "SnapKVDecode",
+    "KNorm",
+    "KeyDiff",
+    "TOVA",
+    "ExpectedAttention",
+    "KVzip",
     "attach",
     "register",
 ]

@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from evalkit.kv.attention import hand_off
 from evalkit.kv.layout import Rows, plan_rows, ring_slot, valid_columns
+from evalkit.kv.scorers import PrefillView, rope_of
 from evalkit.kv.select import Agree, group_mean, own, place_topk
 
 
@@ -82,9 +83,11 @@ class KVLayer(CacheLayerMixin):
         return self.cache.method.budget if self.cache.method.ring else -1
 
     # --- compression -------------------------------------------------------------------------------------
-    def compress(self, query: torch.Tensor, attn_keys: torch.Tensor, attention_mask, scaling: float) -> None:
+    def compress(
+        self, query: torch.Tensor, attn_keys: torch.Tensor, attention_mask, scaling: float, hint=None
+    ) -> None:
         """Keep the method's selection of the prompt. query (B, H_q, T, D) post-RoPE; attn_keys as attention
-        saw them."""
+        saw them; hint (B, H, T): scores a pass before this prefill computed (`PrefillRecord.hints`)."""
         keys, values = self.pending
         self.pending = None
         if self.cache.record is not None:
@@ -95,7 +98,18 @@ class KVLayer(CacheLayerMixin):
         method, evictor = self.cache.method, self.cache.evictor
         scores = None
         if self.cache.has_topk or evictor.prompt_scores:  # (B, H_attn, T); pads are masked out of the softmax
-            scores = group_mean(method.score(query, attn_keys, rows.candidates, rows.pad, scaling), h)
+            view = PrefillView(
+                query,
+                attn_keys,
+                values,
+                rows.candidates,
+                rows.pad,
+                scaling,
+                self.layer_idx,
+                self.cache.rope,
+                hint,
+            )
+            scores = group_mean(method.score(view), h)
         if self.cache.has_topk:
             ranked = scores.masked_fill(~rows.candidates[:, None], float("-inf"))  # an evictor keeps from all
             place_topk(pos, ranked, rows, method.blocks(), self.cache.agree)
@@ -174,6 +188,7 @@ class KVCache(Cache):
         self.step_mask: torch.Tensor | None = None
         self.has_topk = False  # some row keeps a SnapKV selection (scoring runs at prefill)
         self.evictor = method.evictor()  # the method's decode-time behaviour (`evalkit.kv.evict`)
+        self.rope = None  # positions -> (cos, sin): the model's rotary embedding, for scorers that undo RoPE
         super().__init__(layers=[KVLayer(self, i) for i in range(num_layers)])
 
     @classmethod
@@ -182,7 +197,9 @@ class KVCache(Cache):
     ):
         config = model.config.get_text_config()
         layers, attn = config.num_hidden_layers, model.config._attn_implementation
-        return cls(method, layers, attn, record, replay, max_new_tokens, agree)
+        cache = cls(method, layers, attn, record, replay, max_new_tokens, agree)
+        cache.rope = rope_of(model)
+        return cache
 
     def _check_max_new(self, max_new_tokens):
         return max_new_tokens  # the dynamic cache grows as it goes: any budget, or none

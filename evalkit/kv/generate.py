@@ -70,6 +70,7 @@ def generate(
     method,
     attention_mask: torch.Tensor | None = None,
     compile: bool = False,
+    tokenizer=None,
     **gen_kwargs,
 ):
     """Generate from each row of a (left-padded) batch with its own `method` cache, through the engine;
@@ -80,7 +81,7 @@ def generate(
     `output_logits=True`: one (B, V) float32 tensor per step, zeros for rows already done). Rows that end
     early are padded with `pad_token_id`. `stats` holds the KV figures (`batch_stats`), `stats["rows"]` each
     row's. `compile=True`: the decode step compiled (`compile_config` unless `gen_kwargs` has a
-    `compile_config`).
+    `compile_config`). `tokenizer`: for a method whose prefill runs text of its own (`kvzip`).
     """
     from evalkit.engine import Engine
     from evalkit.turns import ask
@@ -108,7 +109,7 @@ def generate(
         )
         for r, (row, mask) in enumerate(zip(input_ids, attention_mask))
     ]
-    engine = Engine(model, None, eos, len(requests), compile=compiled if compile else False)
+    engine = Engine(model, tokenizer, eos, len(requests), compile=compiled if compile else False)
     done = sorted(engine.run(requests), key=lambda d: d.tag)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos or [0])[0]
     sequences = _padded([d.tokens for d in done], pad, input_ids)

@@ -35,6 +35,9 @@ def ring_slot(p, sink, tail):
     entry is overwritten). Python ints, or tensors that broadcast (elementwise, no host sync)."""
     if isinstance(p, int):
         return p if p < sink else sink + (p - sink) % tail
+    # a row without a tail (an append method keeping only sinks and top-K) has no ring: any slot will do,
+    # its caller picks the next free one
+    tail = tail.clamp(min=1) if isinstance(tail, torch.Tensor) else max(tail, 1)
     return torch.where(p < sink, p, sink + (p - sink) % tail)
 
 
@@ -73,8 +76,10 @@ def plan_rows(method, valid_cols: torch.Tensor) -> Rows:
     # (as if the prompt had been decoded through the ring; also used, harmlessly, to order append methods'
     # tail)
     p = torch.arange(t, device=dev)[None, :].expand(b, t)  # (B, T) positions, real or not
-    slot = ring_slot(p, sink, tail[:, None])  # (B, T), all < sink + tail <= n
-    held = torch.where(p < lengths[:, None], p, -1)  # positions past a row's prompt land nowhere
+    slot = ring_slot(p, sink, tail[:, None])  # (B, T), all < sink + max(tail, 1) <= n
+    # positions past a row's prompt land nowhere, nor do those after the sinks when there is no tail (a
+    # method that keeps only sinks and its top-K: knorm, keydiff, expected_attention, kvzip)
+    held = torch.where((p < lengths[:, None]) & ((p < sink) | (tail[:, None] > 0)), p, -1)
     base_pos = torch.full((b, n), -1, dtype=p.dtype, device=dev).scatter_reduce(1, slot, held, "amax")
     j = torch.arange(n, device=dev)[None, :]  # (1, n)
     cols = torch.arange(t, device=dev)[None, :] - pad[:, None]  # (B, T) position of each column

@@ -34,6 +34,7 @@ import torch
 
 from evalkit.kv import select
 from evalkit.kv.evict import Evictor, H2OEvictor, RefitEvictor
+from evalkit.kv.scorers import PrefillView
 
 
 @dataclass(frozen=True)
@@ -68,13 +69,18 @@ class KVMethod:
         """(sink, tail, top-K) used when a prompt does not fit in the budget."""
         raise NotImplementedError
 
-    def score(self, query, keys, candidates, pad, scaling: float) -> torch.Tensor | None:
+    def score(self, view: PrefillView) -> torch.Tensor | None:
         """Importance of each prompt position for the top-K block, (B, H_attn, T); None when not ranking.
 
-        query (B, H_q, T_q, D) post-RoPE, the prompt's last T_q positions; keys (B, H_attn, T, D) as attention
-        sees them; candidates (B, T) bool, the positions the top-K block may hold; pad (B,) left pad columns.
-        """
+        `view` (`scorers.PrefillView`): the prompt's last `window` queries post-RoPE, the keys as attention
+        sees them, the values, the candidates (B, T) the top-K block may hold, the left pads, the scaling."""
         return None
+
+    def prefill(self, forward, cache, tokenizer, kwargs: dict):
+        """Run the prompt's forward into `cache` (which compresses as attention hands it the queries); a
+        method whose score needs more than the prompt's own forward (KVzip's reconstruction pass) runs it
+        here. Called once per prefill by `prefill.shared_prefill`, where the engine prefills."""
+        return forward(**kwargs)
 
     def refusal(self, facts: RunFacts) -> str | None:
         """Why this method cannot run as `facts` describe (checked before any model loads), or None. Its
@@ -162,9 +168,11 @@ class SnapKV(KVMethod):
     def blocks(self) -> tuple[int, int, int]:
         return 0, self.window, self.budget - self.window
 
-    def score(self, query, keys, candidates, pad, scaling):
-        window = query[:, :, -self.window :]
-        return select.snapkv_scores(window, keys, candidates, pad, scaling, self.pool_kernel)
+    def score(self, view):
+        window = view.query[:, :, -self.window :]
+        return select.snapkv_scores(
+            window, view.keys, view.candidates, view.pad, view.scaling, self.pool_kernel
+        )
 
 
 @dataclass
@@ -245,10 +253,10 @@ class H2O(KVMethod):
     def blocks(self) -> tuple[int, int, int]:
         return 0, self.recent, self.budget - self.recent
 
-    def score(self, query, keys, candidates, pad, scaling):
+    def score(self, view):
         """Attention each prompt position receives, summed over every prompt query (not restricted to
         `candidates`: the kept recent entries carry their sums into decode)."""
-        return select.accumulated_attention(query, keys, pad, scaling)
+        return select.accumulated_attention(view.query, view.keys, view.pad, view.scaling)
 
 
 @dataclass

@@ -32,6 +32,8 @@ class PrefillRecord:
     mask: torch.Tensor | None = None  # the prefill attention mask (None: no padding)
     logits: torch.Tensor | None = None  # (B, 1, V) last-position logits of the prefill forward
     usable: bool = True
+    # idx -> (B, H_kv, T) scores a pass before compression computed (KVzip's reconstruction), budget-free
+    hints: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def add(self, layer_idx, keys, values, query, attn_keys, attention_mask, scaling) -> None:
         if attn_keys is not keys or not self.usable:
@@ -56,13 +58,15 @@ def populate(cache, record: PrefillRecord) -> None:
         keys, values, queries, scaling = record.layers[idx]
         layer.lazy_initialization(keys, values)
         layer.pending = (keys, values)
-        layer.compress(queries, keys, record.mask, scaling)
+        layer.compress(queries, keys, record.mask, scaling, hint=record.hints.get(idx))
 
 
 @contextmanager
-def shared_prefill(model):
+def shared_prefill(model, tokenizer=None):
     """Within this block, a KVCache with `record` keeps its prefill's logits, and one with `replay` skips the
-    prefill forward: its cache is populated from the record and the recorded logits are returned."""
+    prefill forward: its cache is populated from the record and the recorded logits are returned. Otherwise
+    the cache's method runs the prefill (`KVMethod.prefill`: the forward itself, or KVzip's passes, which
+    need the `tokenizer`)."""
     original = model.forward
     own = model.__dict__.get("forward")  # an instance-level forward (accelerate's device hooks) to restore
 
@@ -72,8 +76,12 @@ def shared_prefill(model):
         replay = getattr(cache, "replay", None)
         if replay is not None and cache.rows is None:
             populate(cache, replay)
-            return CausalLMOutputWithPast(logits=replay.logits, past_key_values=cache)
-        out = original(*args, **kwargs)
+            return CausalLMOutputWithPast(logits=replay.logits, cache=cache)
+        method = getattr(cache, "method", None)
+        if method is None or args or cache.rows is not None:  # not an evalkit prefill: the plain forward
+            out = original(*args, **kwargs)
+        else:
+            out = method.prefill(original, cache, tokenizer, kwargs)
         record = getattr(cache, "record", None)
         if record is not None and record.logits is None:
             record.logits = out.logits[:, -1:].clone()

@@ -12,7 +12,7 @@ import pandas as pd
 from evalkit import metrics as metrics_record
 from evalkit.memory.model import MemoryReportError, kv_geometry, load_hf_config, model_spec
 from evalkit.memory.sharding import Sharding, shard_model
-from evalkit.memory.sim import Deployment, GiB, Hardware, canonical_method, kv_entries
+from evalkit.memory.sim import METHOD_ALIASES, Deployment, GiB, Hardware, canonical_method, kv_entries
 from evalkit.memory.validate import validate
 
 log = logging.getLogger(__name__)
@@ -185,15 +185,25 @@ def paper_check(dep: Deployment, cfg: dict) -> list[dict[str, Any]]:
     return out
 
 
+def appends(method: str) -> bool:
+    """The method keeps a selection of its prompt, then appends every decoded token (its class is not a
+    fixed-size ring: snapkv and the rival prefill methods knorm, keydiff, tova, expected_attention, kvzip)."""
+    from evalkit.config import group_config
+    from evalkit.kv.config import method_class
+
+    return method != "full" and not method_class(group_config("method", method).get("_target_")).ring
+
+
 def run_entries(method: str, budget: int | None, prefill: int, seen: int) -> int:
     """Slots an evalkit cache holds after `seen` tokens of which its prefill compressed `prefill`: fixed-size
     caches hold B (static shape: a ring the question, answers and later turns pass through), full every
-    token, snapkv min(prefill, B) and every token fed after the prefill. Query-aware, the prefill is the
-    whole prompt; query-agnostic, the context alone (the question is fed after it); in a multi-question
-    conversation the context, with every later question and answer appended."""
+    token, an appending method (snapkv, the rival prefill methods) min(prefill, B) and every token fed after
+    the prefill. Query-aware, the prefill is the whole prompt; query-agnostic, the context alone (the
+    question is fed after it); in a multi-question conversation the context, with every later question and
+    answer appended."""
     if method == "full":
         return seen
-    if method == "snapkv":
+    if appends(method):
         return min(prefill, int(budget)) + (seen - prefill)
     return int(budget)
 
@@ -209,7 +219,8 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
         try:
             m = metrics_record.load(path, strict=False)
             hf_config, dtype, kv = m.model["hf_config"], m.model["dtype"], m.kv
-            method, budget = canonical_method(m.method["name"]), m.method.get("budget")
+            # any method with a conf: its cache slots follow from its class (`run_entries`)
+            method, budget = METHOD_ALIASES.get(m.method["name"], m.method["name"]), m.method.get("budget")
             peak_bytes, peak_entries = int(kv["peak_bytes"]), int(kv["peak_entries"])
             geo = kv_geometry(hf_config, dtype, kv["cache_layout"])
             if kv.get("peak_seen_tokens") is not None:

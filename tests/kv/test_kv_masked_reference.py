@@ -12,7 +12,7 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from evalkit.kv import KVCache, SnapKV, SnapStream, StreamingLLM
+from evalkit.kv import TOVA, ExpectedAttention, KeyDiff, KNorm, KVCache, SnapKV, SnapStream, StreamingLLM
 from tests.conftest import tiny_model
 
 ALLOWED: dict[int, torch.Tensor] = {}  # layer -> (H_cache, kv_len) bool, positions the query may see
@@ -56,6 +56,10 @@ def reference_model(model):
         ("llama", SnapStream(budget=48, sink=4, recent=8, window=8), 30),  # middle shorter than top-K: padded
         ("llama", SnapStream(budget=16, sink=4, recent=4, window=4, spare_slots="ring"), 5),
         ("deepseek_v3", SnapStream(budget=32, sink=4, recent=8, window=8), 90),
+        ("llama", KNorm(budget=24), 90),  # no sink, no tail: every kept prompt entry is top-K
+        ("llama", TOVA(budget=24), 90),
+        ("llama", ExpectedAttention(budget=24, future=32), 90),
+        ("qwen3", KeyDiff(budget=24), 90),
     ],
 )
 def test_compressed_equals_masked_full(arch, method, prompt_len):

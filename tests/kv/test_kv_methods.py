@@ -32,10 +32,10 @@ def test_invalid_settings_fail_at_construction(name, settings, message):
 def test_unknown_method_lists_choices():
     with pytest.raises(
         ConfigError,
-        match="unknown method 'tova'; valid choices: full, h2o, snapkv, snapkv_decode, snapstream, "
-        "streamingllm",
+        match="unknown method 'pyramidkv'; valid choices: expected_attention, full, h2o, keydiff, knorm, "
+        "kvzip, snapkv, snapkv_decode, snapstream, streamingllm, tova",
     ):
-        make_method("tova")
+        make_method("pyramidkv")
 
 
 def test_defaults_follow_the_spec():

@@ -24,7 +24,7 @@ from evalkit.memory import (
     sweep_rows,
     write_report,
 )
-from evalkit.memory.report import deployment, row
+from evalkit.memory.report import deployment, row, run_entries
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -339,6 +339,23 @@ def test_growing_cache_is_predicted_from_lengths(tmp_path):
     (new, old), _ = measured_rows(tmp_path)
     assert (new["predicted_entries"], new["entries_from"], new["match"]) == (320, "lengths", False)
     assert (old["predicted_entries"], old["entries_from"]) == (300, "measured")
+
+
+def test_every_method_is_predicted_by_its_cache_kind(tmp_path):
+    # the rival prefill methods append like snapkv (their class is no ring); the decode-time evictors hold the
+    # budget; before, every method but snapkv was modelled as holding the budget, and the rest were skipped
+    runs = [
+        ("knorm", 256, 256 + 64),
+        ("kvzip", 256, 256 + 64),
+        ("h2o", 256, 256),
+        ("snapkv_decode", 256, 256),
+    ]
+    for method, budget, entries in runs:
+        write_run(tmp_path, f"m/{method}/{budget}", method, budget, entries, SMOL_BYTES_PER_ENTRY * entries)
+    rows, notes = measured_rows(tmp_path)
+    assert not notes and len(rows) == 4 and all(r["match"] for r in rows), (rows, notes)
+    assert run_entries("expected_attention", 256, prefill=100, seen=164) == 164  # a prompt within the budget
+    assert run_entries("snapkv_decode", 256, prefill=2000, seen=2064) == 256
 
 
 def test_measured_mismatch_is_flagged(tmp_path):

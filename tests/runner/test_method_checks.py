@@ -56,3 +56,22 @@ def test_followups_are_declared_by_the_task_module(tmp_path):
         return checks.has_followup(p.cfg, p.task_module)
 
     assert followup("longbench_v2_cot") and not followup("longbench_v2") and not followup("ruler")
+
+
+@pytest.mark.parametrize(
+    "method, why",
+    [
+        ("expected_attention", "expected_attention undoes RoPE on the full query head, but tiny_deepseek"),
+        ("kvzip", "kvzip scores the prompt's keys in a second pass, but tiny_deepseek caches MLA's latent"),
+    ],
+)
+def test_rivals_that_need_per_head_keys_are_refused_on_mla(tmp_path, method, why):
+    with pytest.raises(ConfigError, match=why):
+        fresh_run("model=tiny_deepseek", f"method={method}", *SMALL, results=tmp_path)
+    for arch in ("tiny_llama", "tiny_deepseek"):  # the rest take MLA's per-head keys as attention reads them
+        checked(tmp_path, f"model={arch}", "method=knorm")
+
+
+def test_kvzip_under_tp_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="reconstruction pass is not yet run under tensor parallelism"):
+        checked(tmp_path, "model=tiny_llama", "method=kvzip", tp=2)
