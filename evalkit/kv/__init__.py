@@ -13,7 +13,7 @@ from evalkit.kv.attention import attach, register
 from evalkit.kv.cache import KVCache
 from evalkit.kv.generate import generate
 from evalkit.kv.methods import H2O, Full, KVMethod, SnapKV, SnapKVDecode, SnapStream, StreamingLLM
-from evalkit.kv.rivals import TOVA, ExpectedAttention, KeyDiff, KNorm, KVzip
+from evalkit.kv.rivals import TOVA, ExpectedAttention, KeyDiff, KNorm, KVzip, Ringed
 from evalkit.kv.static import StaticKVCache
 
 register()
@@ -34,6 +34,7 @@ __all__ = [
     "TOVA",
     "ExpectedAttention",
     "KVzip",
+    "Ringed",
     "attach",
     "register",
 ]
