@@ -1,7 +1,7 @@
 """Any prefill scorer in SnapStream's fixed-size layout (`Ringed`, issue 33 item 2): with SnapKV's scorer it
 is `snapstream` (kept sets and tokens), with another it keeps the sinks, the last `recent` prompt tokens and
-the scorer's top of the middle (float64 references of KnormPress and TOVAPress restricted to the middle), and it
-decodes fixed-size through the engine: batch = single, compiled (one graph) = eager."""
+the scorer's top of the middle (float64 references of KnormPress and TOVAPress restricted to the middle), and
+it decodes fixed-size through the engine: batch = single, compiled (one graph) = eager."""
 
 import pytest
 import torch
