@@ -15,6 +15,7 @@ from evalkit.kv.generate import generate
 from evalkit.kv.methods import H2O, Full, KVMethod, SnapKV, SnapKVDecode, SnapStream, StreamingLLM
 from evalkit.kv.rivals import TOVA, ExpectedAttention, KeyDiff, KNorm, KVzip, Ringed
 from evalkit.kv.static import StaticKVCache
+from evalkit.kv.tova import TOVADecode
 
 register()
 
@@ -35,6 +36,7 @@ __all__ = [
     "ExpectedAttention",
     "KVzip",
     "Ringed",
+    "TOVADecode",
     "attach",
     "register",
 ]
