@@ -147,6 +147,14 @@ class LastQueryScore(Scorer):
     name: ClassVar[str] = "tova"
     queries: ClassVar[int] = 1
 
+    def refusal(self, facts, method: str) -> str | None:
+        if facts.tp > 1:  # each rank holds its share of the heads: its mean would be its own (measured)
+            return (
+                f"method {method} averages the last query's attention over all of a layer's heads, which "
+                "tensor parallelism splits across processes: run one process, or data parallel replicas"
+            )
+        return None
+
     def __call__(self, view: PrefillView) -> torch.Tensor:
         k = view.keys.float()  # (B, H_attn, T, D)
         b, h_attn = k.shape[:2]

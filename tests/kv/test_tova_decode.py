@@ -117,3 +117,16 @@ def test_tova_decode_refuses_tensor_parallelism_and_budget_one():
     assert TOVADecode(budget=8).refusal(RunFacts("m", False, False, False, 1)) is None
     with pytest.raises(ValueError, match="budget must be >= 2"):
         TOVADecode(budget=1)
+
+
+def test_prefill_tova_and_its_ring_refuse_tensor_parallelism():
+    """The prefill scorer's mean over all heads is split by TP (a TP=2 run kept other sets than one process
+    before this refusal): refused before the model loads, as tova_decode."""
+    from evalkit.kv import TOVA, Ringed
+    from evalkit.kv.methods import RunFacts
+    from evalkit.kv.scorers import LastQueryScore
+
+    tp2 = RunFacts("m", mla=False, followup=False, compile=False, tp=2)
+    for method in (TOVA(budget=8), Ringed(budget=64, scorer=LastQueryScore())):
+        assert "tensor parallelism" in method.refusal(tp2)
+        assert method.refusal(RunFacts("m", False, False, False, 1)) is None
