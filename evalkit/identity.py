@@ -141,7 +141,15 @@ def budget_tag(method_cfg: DictConfig, defaults: DictConfig) -> str:
     """`<budget>` plus `-<key><value>` for every method setting changed from its conf default."""
     tag = "none" if method_cfg.get("budget") is None else str(method_cfg.budget)
     for key in sorted(k for k in method_cfg if k not in ("_target_", "budget")):
-        if method_cfg[key] != defaults.get(key):
+        if isinstance(method_cfg[key], DictConfig):  # a nested object (`Ringed.scorer`): its changed leaves
+            now, was = (
+                _leaves(OmegaConf.to_container(n or {}, resolve=True))
+                for n in (method_cfg[key], defaults.get(key))
+            )
+            tag += "".join(
+                f"-{key}.{k}{_value(v)}" for k, v in sorted(now.items()) if v != was.get(k, object())
+            )
+        elif method_cfg[key] != defaults.get(key):
             tag += f"-{key}{method_cfg[key]}"
     return tag
 

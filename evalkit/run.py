@@ -81,12 +81,13 @@ def plan(cfg: DictConfig, processes: int = 1) -> Plan:
 def resolve_method(cfg: DictConfig, hydra_choices: dict) -> tuple[DictConfig, object, str]:
     """(the config with its method settings in their one spelling, the method, its conf name)."""
     cls = method_class(cfg.method._target_)
-    method_name = hydra_choices.get("method") or cls.name  # the conf's name (SnapKVDecode: snapkv_decode)
     if not cls.budget_applies and cfg.method.get("budget") is not None:
         # a sweep lists `full` beside compressed methods: its budgets all name the one uncompressed run
-        log.info("%s keeps every entry: budget=%s does not apply", method_name, cfg.method.budget)
+        log.info("%s keeps every entry: budget=%s does not apply", cls.name, cfg.method.budget)
         cfg = OmegaConf.merge(cfg, {"method": {"budget": None}})
     method = make_method(cfg.method)
+    # the conf's name (SnapKVDecode: snapkv_decode; Ringed: its scorer's, expected_attention_ring)
+    method_name = hydra_choices.get("method") or method.describe()["name"]
     defaults = group_config("method", method_name)
     if (same := canonical(cfg.method, method, defaults)) is not cfg.method:  # e.g. recent=32 at budget 256
         cfg = OmegaConf.merge(cfg, {"method": same})

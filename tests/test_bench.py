@@ -293,7 +293,13 @@ def test_gpu_bench_script_runs_on_the_bench_functions(model, monkeypatch):
     assert [r["config"] for r in res["prefill"]] == ["dynamic_cache", "evalkit_full", "snapstream_1024"]
     assert [r["config"] for r in res["compiled_decode"]] == ["snapstream_64", "full"]
     assert all(r["tokens_equal"] and r["static_tok_s"] > 0 for r in res["compiled_decode"])
-    assert [r["config"] for r in res["eviction"]] == ["snapstream_64", "h2o_64", "snapkv_decode_64"]
+    assert [r["config"] for r in res["eviction"]] == [
+        "snapstream_64",
+        "h2o_64",
+        "snapkv_decode_64",
+        "tova_decode_64",
+        "expected_attention_ring_64",
+    ]
 
 
 def test_compile_bench_script_writes_every_mode_of_each_method(tmp_path, monkeypatch, capsys):
@@ -618,10 +624,17 @@ def test_eviction_rows_time_the_scoring_beside_snapstream(model, ids):
     from evalkit.bench.eviction import eviction_speed
 
     rows = eviction_speed(model, ids, 128, 80, rounds=2)
-    assert [r["config"] for r in rows] == ["snapstream_128", "h2o_128", "snapkv_decode_128"]
-    snap, h2o, refit = rows
+    assert [r["config"] for r in rows] == [
+        "snapstream_128",
+        "h2o_128",
+        "snapkv_decode_128",
+        "tova_decode_128",
+        "expected_attention_ring_128",
+    ]
+    snap, h2o, refit, tova, ring = rows
     assert all(r["steps"] == 80 and r["decode_tok_s"] > 0 and r["no_scoring_tok_s"] > 0 for r in rows)
-    assert (snap["scoring_ms"], snap["refits"], h2o["refits"]) == (0.0, 0, 0)
+    assert (snap["scoring_ms"], snap["refits"], h2o["refits"], tova["refits"]) == (0.0, 0, 0, 0)
+    assert (ring["scoring_ms"], ring["refits"]) == (0.0, 0)  # a ring: nothing scored while decoding
     assert refit["refits"] == 82 // 33 and refit["refit_ms"] > 0
     for r in rows:
         # no_scoring_tok_s is rounded to 0.01 tok/s: 1e3 / it carries up to 1e3 * 0.005 / tok_s**2 ms of

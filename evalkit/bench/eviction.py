@@ -20,18 +20,19 @@ import torch
 
 from evalkit.bench.base import Context, Measurement
 from evalkit.bench.timing import filled_cache, label, prompt_ids, sync
-from evalkit.kv import H2O, Full, KVCache, SnapKVDecode, SnapStream
+from evalkit.kv import H2O, Full, KVCache, Ringed, SnapKVDecode, SnapStream, TOVADecode
 from evalkit.kv.evict import RefitEvictor
 from evalkit.kv.methods import RunFacts
 from evalkit.kv.pool import SlotPool
 from evalkit.kv.prefill import PrefillRecord
+from evalkit.kv.scorers import ExpectedAttentionScore
 
 ALL_QUERIES = 1 << 30  # a record window that keeps every prompt query (h2o's prefill score)
 
 
 def methods(model, budget: int) -> list:
-    """snapstream, h2o and snapkv_decode at `budget`, less those the model refuses (snapkv_decode re-scores
-    cached keys: not on MLA)."""
+    """snapstream, h2o, snapkv_decode, tova_decode and expected_attention_ring at `budget`, less those the
+    model refuses (snapkv_decode re-scores cached keys: not on MLA)."""
     mla = hasattr(model.config.get_text_config(), "kv_lora_rank")
     facts = RunFacts(model_name=model.config.name_or_path, mla=mla, followup=False, compile=False, tp=1)
     # the conf's window (32) where the budget allows it; small smoke budgets scale it down to fit
@@ -39,6 +40,8 @@ def methods(model, budget: int) -> list:
         SnapStream(budget=budget),
         H2O(budget=budget),
         SnapKVDecode(budget=budget, window=min(32, budget // 8)),
+        TOVADecode(budget=budget),
+        Ringed(budget=budget, scorer=ExpectedAttentionScore()),  # snapstream's step: its cost is at prefill
     ]
     return [m for m in every if m.refusal(facts) is None]
 
@@ -86,14 +89,14 @@ def eviction_speed(model, ids, budget: int, steps: int, rounds: int = 4) -> list
     for method in methods(model, budget):
         runs += [[method, p.evictor.scoring, p, first] for p in pools(method, model, record, ids)]
     del record
-    times = {(m.name, s): [] for m, s, _, _ in runs}
+    times = {(label(m), s): [] for m, s, _, _ in runs}
     refit = RefitTimer()
     for _ in range(rounds):
         for run in runs:
             method, scoring, pool, token = run
-            with refit.timing(method.name if scoring else None):
+            with refit.timing(label(method) if scoring else None):
                 ts, run[3] = pool_steps(model, pool, token, max(2, steps // rounds) + 1)
-            times[(method.name, scoring)] += ts[1:]  # the first step of a round warms up
+            times[(label(method), scoring)] += ts[1:]  # the first step of a round warms up
     return [_row(ids.shape[1], m, times, refit) for m, scoring, _, _ in runs if scoring]
 
 
@@ -126,9 +129,10 @@ class RefitTimer:
 
 
 def _row(prompt: int, method, times: dict, refit: RefitTimer) -> dict:
-    on = statistics.mean(times[(method.name, True)])
-    off = statistics.mean(times.get((method.name, False)) or times[(method.name, True)])
-    spent, calls = refit.spent.get(method.name, 0.0), refit.calls.get(method.name, 0)
+    key = label(method)
+    on = statistics.mean(times[(key, True)])
+    off = statistics.mean(times.get((key, False)) or times[(key, True)])
+    spent, calls = refit.spent.get(key, 0.0), refit.calls.get(key, 0)
     row = {
         "prompt_tokens": prompt,
         "config": label(method),
@@ -139,7 +143,7 @@ def _row(prompt: int, method, times: dict, refit: RefitTimer) -> dict:
         "scoring_pct": round(100 * (on - off) / off, 2),
         "refits": calls,
         "refit_ms": round(spent / calls * 1e3, 3) if calls else 0.0,
-        "steps": len(times[(method.name, True)]),
+        "steps": len(times[(key, True)]),
     }
     print(f"eviction {prompt} {row['config']}: {row['decode_tok_s']} tok/s, scoring {row['scoring_ms']} ms")
     return row
@@ -163,8 +167,10 @@ def note(rows: list[dict]) -> str:
         "Decode-time eviction beside SnapStream's ring at the same budget (eager, one row). `scoring_ms`: "
         "the mean step with the method's scoring minus without it (h2o: one more pass of the query over the "
         "budget's keys each step; snapkv_decode: its query stored each step and a re-selection every "
-        "`interval` steps, `refit_ms` each); `decode_tok_s` counts every step, re-selections included. A "
-        "cost below the machine's noise (a few % of a step on a shared CPU) can come out negative."
+        "`interval` steps, `refit_ms` each; tova_decode: the step's attention over the slots, averaged over "
+        "all heads, for the next eviction; expected_attention_ring decodes as snapstream, its scoring is at "
+        "prefill); `decode_tok_s` counts every step, re-selections included. A cost below the machine's "
+        "noise (a few % of a step on a shared CPU) can come out negative."
     )
 
 

@@ -131,7 +131,8 @@ def filled_cache(method, model, record: PrefillRecord, ids) -> KVCache:
 
 
 def label(method) -> str:
-    return method.name if method.name == "full" else f"{method.name}_{method.budget}"
+    name = method.describe()["name"]  # a ring's is its scorer's (expected_attention_ring)
+    return name if name == "full" else f"{name}_{method.budget}"
 
 
 def median_tok_s(step_times: list[float], batch: int = 1) -> float:

@@ -13,8 +13,9 @@ from evalkit.kv.attention import attach, register
 from evalkit.kv.cache import KVCache
 from evalkit.kv.generate import generate
 from evalkit.kv.methods import H2O, Full, KVMethod, SnapKV, SnapKVDecode, SnapStream, StreamingLLM
-from evalkit.kv.rivals import TOVA, ExpectedAttention, KeyDiff, KNorm, KVzip
+from evalkit.kv.rivals import TOVA, ExpectedAttention, KeyDiff, KNorm, KVzip, Ringed
 from evalkit.kv.static import StaticKVCache
+from evalkit.kv.tova import TOVADecode
 
 register()
 
@@ -34,6 +35,8 @@ __all__ = [
     "TOVA",
     "ExpectedAttention",
     "KVzip",
+    "Ringed",
+    "TOVADecode",
     "attach",
     "register",
 ]

@@ -60,13 +60,24 @@ def check_types(cls, settings: dict) -> None:
                 f"method {cls.name}: unknown setting {key!r}; settings: {', '.join(sorted(fields))}"
             )
         allowed = typing.get_args(hints[key]) or (hints[key],)
-        if isinstance(value, bool) and bool not in allowed:
+        if isinstance(value, dict) and "_target_" in value:  # a nested object (`Ringed.scorer`)
+            ok = _targets(value["_target_"], allowed)
+        elif isinstance(value, bool) and bool not in allowed:
             ok = False
         else:
             ok = any(value is None if t is type(None) else isinstance(value, t) for t in allowed)
         if not ok:
             names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
             raise ConfigError(f"method {cls.name}: {key} must be {names}, got {value!r}")
+
+
+def _targets(target, allowed: tuple) -> bool:
+    """Whether `target` names an evalkit.kv class of one of the `allowed` types."""
+    try:
+        cls = get_class(target) if isinstance(target, str) and target.startswith("evalkit.kv.") else None
+    except Exception:  # hydra reports a missing class with a bare Exception
+        return False
+    return isinstance(cls, type) and any(isinstance(t, type) and issubclass(cls, t) for t in allowed)
 
 
 def canonical(method_cfg: DictConfig, method: KVMethod, defaults: DictConfig) -> DictConfig:

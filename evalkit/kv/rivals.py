@@ -21,7 +21,7 @@ prompt and each entry is scored by the attention it receives.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 from evalkit.kv import scorers
@@ -62,6 +62,12 @@ class Scored(KVMethod):
 
     def score(self, view):
         return self.scorer()(view)
+
+    def prefill(self, forward, cache, tokenizer, kwargs: dict):
+        return self.scorer().prefill(forward, cache, tokenizer, kwargs)
+
+    def refusal(self, facts) -> str | None:
+        return self.scorer().refusal(facts, self.name) or super().refusal(facts)
 
 
 @dataclass
@@ -118,14 +124,6 @@ class ExpectedAttention(Scored):
             self.sink, self.future, self.covariance, self.value_norm, self.epsilon
         )
 
-    def refusal(self, facts) -> str | None:
-        if facts.mla:
-            return (
-                f"method {self.name} undoes RoPE on the full query head, but {facts.model_name} rotates only "
-                "part of an MLA head: use snapkv, snapstream or h2o"
-            )
-        return super().refusal(facts)
-
 
 @dataclass
 class KVzip(Scored):
@@ -142,22 +140,58 @@ class KVzip(Scored):
             raise ValueError(f"{self.name}: chunk must be >= 1 (tokens repeated per pass), got {self.chunk}")
 
     def scorer(self):
-        return scorers.ReconstructionScore()
+        return scorers.ReconstructionScore(self.sink, self.chunk)
+
+
+@dataclass
+class Ringed(KVMethod):
+    """Any scorer in SnapStream's fixed-size layout (issue 33 item 2): the first `sink` tokens, the
+    top-(budget - sink - recent) of the prompt's middle by `scorer`, and a ring of the last `recent` tokens
+    that decode overwrites in place. With `SnapKVScore` it is `snapstream` (tests/kv/test_ringed.py); its name
+    in results is the scorer's plus `_ring` (`expected_attention_ring`). The scorer's own pass (KVzip's) and
+    refusals come with it."""
+
+    budget: int = 256
+    sink: int = 4
+    recent: int | None = None  # None: budget // 8, at least 32 (snapstream's default at its default window)
+    spare_slots: str = "pad"  # as snapstream's: "pad" (spec) or "ring"
+    scorer: scorers.Scorer = field(default_factory=scorers.SnapKVScore)
+    name: ClassVar[str] = "ring"
+    ring: ClassVar[bool] = True
+
+    def __post_init__(self):
+        _check_budget(self.name, self.budget)
+        if self.spare_slots not in ("pad", "ring"):
+            raise ValueError(
+                f"{self.name}: spare_slots must be 'pad' (spec) or 'ring', got {self.spare_slots!r}"
+            )
+        if self.recent is None:
+            self.recent = max(self.budget // 8, 32)
+        if self.sink < 0 or self.recent < 1:
+            raise ValueError(
+                f"{self.name}: need sink >= 0 and recent >= 1, got sink={self.sink}, recent={self.recent}"
+            )
+        if self.sink + self.recent > self.budget:
+            raise ValueError(
+                f"{self.name}: sink + recent must be <= budget, "
+                f"got {self.sink} + {self.recent} > {self.budget}"
+            )
+
+    @property
+    def window(self) -> int:  # the prompt queries a shared prefill keeps for the scorer
+        return self.scorer.queries
+
+    def blocks(self) -> tuple[int, int, int]:
+        return self.sink, self.recent, self.budget - self.sink - self.recent
+
+    def score(self, view):
+        return self.scorer(view)
 
     def prefill(self, forward, cache, tokenizer, kwargs: dict):
-        from evalkit.kv.reconstruct import prefill_with_reconstruction
-
-        return prefill_with_reconstruction(self, forward, cache, tokenizer, kwargs)
+        return self.scorer.prefill(forward, cache, tokenizer, kwargs)
 
     def refusal(self, facts) -> str | None:
-        if facts.mla:
-            return (
-                f"method {self.name} scores the prompt's keys in a second pass, but {facts.model_name} "
-                "caches MLA's latent (keys are rebuilt inside attention): use snapkv, snapstream or h2o"
-            )
-        if facts.tp > 1:
-            return (
-                f"method {self.name}'s reconstruction pass is not yet run under tensor parallelism: run one "
-                "process, or data parallel replicas"
-            )
-        return super().refusal(facts)
+        return self.scorer.refusal(facts, self.describe()["name"]) or super().refusal(facts)
+
+    def describe(self) -> dict:
+        return {"name": f"{self.scorer.name}_ring", **asdict(self), "scorer": self.scorer.describe()}

@@ -22,11 +22,13 @@ masked so a padded row ranks as its prompt alone. Deviations and their measured 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+
+from evalkit.kv import select
 
 
 @dataclass
@@ -61,26 +63,73 @@ def rope_of(model) -> Callable | None:
     return lambda positions: rotary(probe, positions)
 
 
+@dataclass(frozen=True)
+class Scorer:
+    """Base: `__call__(view)` ranks the prompt; `prefill` and `refusal` are the hooks a scorer that needs more
+    than the prompt's forward (KVzip's pass) overrides, so any layout holding it runs it unchanged."""
+
+    name: ClassVar[str]
+    queries: ClassVar[int] = 0  # prompt queries (its last ones) a shared prefill must keep for this scorer
+
+    def __call__(self, view: PrefillView) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prefill(self, forward, cache, tokenizer, kwargs: dict):
+        """The prompt's forward into `cache` (`KVMethod.prefill`)."""
+        return forward(**kwargs)
+
+    def refusal(self, facts, method: str) -> str | None:
+        """Why a method `method` scoring with this cannot run as `facts` (`methods.RunFacts`) say, or None."""
+        return None
+
+    def describe(self) -> dict:
+        return {"name": self.name, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class SnapKVScore(Scorer):
+    """SnapKV (Li et al., 2024, arXiv 2404.14469): the last `window` queries' attention, pooled over
+    `pool_kernel` positions (`select.snapkv_scores`); what `snapstream` scores with, as a scorer."""
+
+    window: int = 32
+    pool_kernel: int = 7
+    name: ClassVar[str] = "snapkv"
+
+    @property
+    def queries(self) -> int:
+        return self.window
+
+    def __call__(self, view: PrefillView) -> torch.Tensor:
+        return select.snapkv_scores(
+            view.query[:, :, -self.window :],
+            view.keys,
+            view.candidates,
+            view.pad,
+            view.scaling,
+            self.pool_kernel,
+        )
+
+
 def _masked(scores: torch.Tensor, view: PrefillView) -> torch.Tensor:
     return scores.masked_fill(~view.real()[:, None, :], float("-inf"))
 
 
 @dataclass(frozen=True)
-class KeyNormScore:
+class KeyNormScore(Scorer):
     """KnormPress: a low key norm predicts high attention, so the score is minus the L2 norm of the key."""
 
-    queries: ClassVar[int] = 0  # prompt queries a shared prefill must keep for this scorer
+    name: ClassVar[str] = "knorm"
 
     def __call__(self, view: PrefillView) -> torch.Tensor:
         return _masked(-torch.linalg.vector_norm(view.keys.float(), dim=-1), view)
 
 
 @dataclass(frozen=True)
-class KeyDiffScore:
+class KeyDiffScore(Scorer):
     """KeyDiffPress: minus each key's cosine similarity to the mean of the prompt's unit keys (distinctive
     keys are kept); the mean runs over a row's real columns only."""
 
-    queries: ClassVar[int] = 0
+    name: ClassVar[str] = "keydiff"
 
     def __call__(self, view: PrefillView) -> torch.Tensor:
         k = view.keys.float()  # (B, H, T, D)
@@ -91,11 +140,20 @@ class KeyDiffScore:
 
 
 @dataclass(frozen=True)
-class LastQueryScore:
+class LastQueryScore(Scorer):
     """TOVAPress at prefill: the last prompt query's attention (softmax over every prompt key, itself
     included), averaged over all query heads as TOVA does, so every KV head of a layer ranks alike."""
 
+    name: ClassVar[str] = "tova"
     queries: ClassVar[int] = 1
+
+    def refusal(self, facts, method: str) -> str | None:
+        if facts.tp > 1:  # each rank holds its share of the heads: its mean would be its own (measured)
+            return (
+                f"method {method} averages the last query's attention over all of a layer's heads, which "
+                "tensor parallelism splits across processes: run one process, or data parallel replicas"
+            )
+        return None
 
     def __call__(self, view: PrefillView) -> torch.Tensor:
         k = view.keys.float()  # (B, H_attn, T, D)
@@ -107,19 +165,28 @@ class LastQueryScore:
 
 
 @dataclass(frozen=True)
-class ExpectedAttentionScore:
+class ExpectedAttentionScore(Scorer):
     """ExpectedAttentionPress: the attention future queries are expected to pay each key, times its value's
     norm. The queries' mean and covariance (before RoPE, over the prompt after the first `sink` tokens) are
     rotated by RoPE averaged over the next `future` positions; with A = exp(q.k s), E[A] ~ exp(mu.k s +
     k^T cov k s^2 / 2) (a Gaussian query), softmaxed over the non-sink keys per query head, averaged over the
     heads sharing a KV head, then (score + epsilon) * ||v||."""
 
+    name: ClassVar[str] = "expected_attention"
     sink: int = 4
     future: int = 512
     covariance: bool = True
     value_norm: bool = True
     epsilon: float = 0.0
     queries: ClassVar[int] = 1 << 30  # every prompt query: a shared prefill keeps them all
+
+    def refusal(self, facts, method: str) -> str | None:
+        if facts.mla:
+            return (
+                f"method {method} undoes RoPE on the full query head, but {facts.model_name} rotates only "
+                "part of an MLA head: use snapkv, snapstream or h2o"
+            )
+        return None
 
     def __call__(self, view: PrefillView) -> torch.Tensor:
         if view.rope is None:
@@ -168,12 +235,33 @@ class ExpectedAttentionScore:
 
 
 @dataclass(frozen=True)
-class ReconstructionScore:
+class ReconstructionScore(Scorer):
     """KVzipPress: the attention each prompt entry receives while the model repeats the prompt, computed by
     the reconstruction pass before this prefill compresses (`evalkit.kv.reconstruct`) and handed in as
-    `view.hint`."""
+    `view.hint`. `sink` and `chunk` are the pass's (`KVzip`)."""
 
+    sink: int = 4
+    chunk: int = 2048
+    name: ClassVar[str] = "kvzip"
     queries: ClassVar[int] = 1
+
+    def prefill(self, forward, cache, tokenizer, kwargs: dict):
+        from evalkit.kv.reconstruct import prefill_with_reconstruction
+
+        return prefill_with_reconstruction(self, forward, cache, tokenizer, kwargs)
+
+    def refusal(self, facts, method: str) -> str | None:
+        if facts.mla:
+            return (
+                f"method {method} scores the prompt's keys in a second pass, but {facts.model_name} "
+                "caches MLA's latent (keys are rebuilt inside attention): use snapkv, snapstream or h2o"
+            )
+        if facts.tp > 1:
+            return (
+                f"method {method}'s reconstruction pass is not yet run under tensor parallelism: run one "
+                "process, or data parallel replicas"
+            )
+        return None
 
     def __call__(self, view: PrefillView) -> torch.Tensor:
         if view.hint is None:

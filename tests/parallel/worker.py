@@ -18,8 +18,14 @@ METHODS = {
     "snapstream": {"budget": 24, "window": 8},
     "h2o": {"budget": 24},  # decode-time eviction: 40/57-token prompts + 12 new tokens evict at every step
     "snapkv_decode": {"budget": 24, "window": 4, "interval": 6},
+    "expected_attention_ring": {
+        "budget": 24,
+        "recent": 8,
+        "scorer": {"future": 64},
+    },  # per KV head: TP splits
 }
-NOT_ON = {"deepseek_v3": {"snapkv_decode"}}  # it re-scores cached keys: refused on an MLA latent
+# snapkv_decode re-scores cached keys, expected attention undoes RoPE per head: both refused on an MLA latent
+NOT_ON = {"deepseek_v3": {"snapkv_decode", "expected_attention_ring"}}
 
 
 def methods_for(arch: str, methods: dict = METHODS) -> dict:

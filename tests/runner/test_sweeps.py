@@ -156,3 +156,32 @@ def test_a_two_node_slurm_job_starts_one_task_per_gpu_and_exports_the_rendezvous
         ["bash", "-c", setup + '\necho "$MASTER_ADDR:$MASTER_PORT"'], env=env, capture_output=True, text=True
     )
     assert out.stdout.strip() == "gpu03:23456"  # the job's first node; 20000 + job id % 20000
+
+
+@pytest.mark.slow  # 28 plans against the model config (~30 s); sweep=rivals composes in test_cli
+def test_the_rivals_sweep_lists_every_method_and_each_job_plans(tmp_path):
+    """conf/sweep/rivals.yaml: every conf of conf/method, two budgets, RULER query-aware and query-agnostic;
+    each of its jobs (a budget list) plans and passes every check made before weights load, against the
+    embedded model's config (what each method refuses included)."""
+    import evalkit.run as runner
+    from evalkit.config import choices
+    from evalkit.config import compose as evalkit_compose
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        params = compose("eval", overrides=["sweep=rivals"], return_hydra_config=True).hydra.sweeper.params
+    methods = params.method.split(",")
+    assert sorted(methods) == sorted(choices("method")) and params["method.budget"] == "[128,256]"
+    assert params.query_aware == "true,false"
+    for method in methods:
+        for aware in ("true", "false"):
+            cfg = evalkit_compose(
+                overrides=[
+                    f"method={method}",
+                    "method.budget=[128,256]",
+                    f"query_aware={aware}",
+                    f"results_dir={tmp_path}",
+                ]
+            )
+            plans = runner.plans_for(cfg)
+            assert cfg.task.name == "ruler" and len(plans) == (1 if method == "full" else 2)
+            runner.read_model(plans)
