@@ -107,11 +107,9 @@ def memory_of(p: Pairing, hardware, settings: ReportSettings, problems: list[str
     # the results folder's own bench first, then the figures published in the repository
     benches = [settings.results_dir / "bench", CONF_DIR.parent / "results" / "bench"]
     c = p.compressed
-    return (
-        row
-        | {f"tp_{k}": v for k, v in tp.items()}
-        | bench_speedup(benches, c.model, c.method, c.budget, row["context_tokens"])
-    )
+    # the bench measures the model dtype: none of its figures is a quantized storage's
+    bench = bench_speedup(benches, c.model, c.method, c.budget, row["context_tokens"])
+    return row | {f"tp_{k}": v for k, v in tp.items()} | (bench if c.storage == "none" else {})
 
 
 def _aware_first(col: pd.Series) -> pd.Series:
