@@ -58,7 +58,12 @@ def deployment(cfg: dict) -> Deployment:
     m = cfg["model"]
     hf_config = hf_config_of(m)
     spec = model_spec(
-        m["name"], hf_config, m["weight_dtype"], m["kv_dtype"], m.get("kv_layout"), m.get("num_parameters"),
+        m["name"],
+        hf_config,
+        m["weight_dtype"],
+        m["kv_dtype"],
+        m.get("kv_layout"),
+        m.get("num_parameters"),
         kv_storage(m.get("kv")),
     )
     hw = Hardware.from_cfg(cfg["hardware"])

@@ -92,7 +92,9 @@ class Deployment:
     tp: int
     attention: str = "dp_attention"
     mtp_factor: float = 1.0  # accepted tokens per step with multi-token prediction (paper: 2.4)
-    ring: int = 0  # of a sequence's entries, a ring overwritten at decode (a quantized storage keeps it in kv_bits)
+    ring: int = (
+        0  # of a sequence's entries, a ring overwritten at decode (a quantized storage keeps it in kv_bits)
+    )
 
     def __post_init__(self):
         kv, hw = self.model.kv, self.hw

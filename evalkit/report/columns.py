@@ -87,10 +87,19 @@ MARK = {"non-inferior": "✓", "worse": "✗", "inconclusive": "?"}
 SMALL = "†"  # a CI from fewer than min_problems paired problems: said under each table that shows one
 
 
-def config_label(method: str, settings: str, query_aware=True) -> str:
-    """A configuration's label: `snapstream recent64`; a query-agnostic run says so."""
+def config_label(method: str, settings: str, query_aware=True, storage="none") -> str:
+    """`snapstream recent64`, `snapstream + int4` (a storage but the model dtype), `(query-agnostic)`."""
     name = method if settings == "default" else f"{method} {settings}"
+    name += "" if missing(storage) or storage == "none" else f" + {storage}"
     return name if query_aware is not False else f"{name} (query-agnostic)"
+
+
+def budget_label(budget) -> str:  # `all`: no budget (the full cache, held in a quantized storage)
+    return "all" if missing(budget) else str(int(budget))
+
+
+def budget_key(budget) -> float:  # sort key: `all` after every number
+    return float("inf") if missing(budget) else float(budget)
 
 
 def diff_ci(r: dict, min_problems: int = 0) -> str:
@@ -171,13 +180,18 @@ COLUMNS: tuple[Column, ...] = (
            "label", BOTH, value=lambda run, p: run.task),
     Column("method", "the method's conf name (`method.name`); report.md's `cache` is it with its settings "
            "and `(query-agnostic)`", "label", BOTH, headers=CACHE, value=lambda run, p: run.method,
-           show=_show(lambda r: config_label(r["method"], r["settings"], r.get("query_aware")))),
+           show=_show(lambda r: config_label(r["method"], r["settings"], r.get("query_aware"),
+                                             r.get("storage")))),
     Column("settings", "method settings changed from the conf defaults (`recent64`), or `default`", "label",
            BOTH, value=lambda run, p: run.settings),
     Column("query_aware", "the run setting: False = compressed before the question was seen (a run without "
            "it: True); its own rows", "label", BOTH, value=lambda run, p: run.query_aware),
-    Column("budget", "KV entries kept per layer and KV head; empty for `full`", "label", BOTH, headers=BUDGET,
-           value=lambda run, p: run.budget, show=_show(lambda r: str(int(r["budget"])))),
+    Column("storage", "the KV storage (`storage.name`: `none` = the model dtype, fp8_e4m3, int4, ...); a "
+           "configuration is (method, budget, storage): two storages never share a row", "label", BOTH,
+           value=lambda run, p: run.storage),
+    Column("budget", "KV entries kept per layer and KV head; empty for `full` (report.md: `all`)", "label",
+           BOTH, headers=BUDGET, value=lambda run, p: run.budget,
+           show=_show(lambda r: budget_label(r["budget"]))),
     Column("task_version", "the task module's prompt/data version", "label", LONG,
            value=lambda run, p: run.metrics.task_version),
     Column("scorer_version", "the task module's scorer version", "label", LONG,
@@ -248,9 +262,11 @@ COLUMNS: tuple[Column, ...] = (
     # --- what the budget buys (modelled at the full run's median request) ---
     Column("kv_entries", "modelled cache entries per layer and KV head at that request", "memory", REPORT,
            fmt="{:.0f}", headers=H(budget="entries")),
-    Column("kv_bytes_seq", "modelled KV bytes per sequence in the deployment's KV dtype", "memory", REPORT,
+    Column("kv_bytes_seq", "modelled KV bytes per sequence in the run's KV storage (codes, scales, zero "
+           "points, full-precision residual; `none`: the deployment's KV dtype)", "memory", REPORT,
            headers=H(budget="KV / sequence ({kv_dtype})"), show=lambda r, col, ctx: mib(r.get(col.name))),
-    Column("memory_saving", "1 - modelled entries / the full cache's", "memory", REPORT, fmt="{:.1%}",
+    Column("memory_saving", "1 - modelled KV bytes / the full cache's (in the KV dtype)", "memory", REPORT,
+           fmt="{:.1%}",
            headers=H(budget="saving")),
     Column("max_batch_{hw}", "the largest batch whose KV fits beside the weights on `<hw>` (memory-bound "
            "upper bound; report.md: the full cache's beside it)", "memory", REPORT, per_hw=True,
