@@ -186,7 +186,7 @@ def write_plots(rep: Report, out: Path) -> dict:
             rep.settings.stats.confidence,
         )
         rec = next((r for r in rep.by_bytes if (r["model"], r["task"]) == (model, task)), {})
-        what = f"{task} / {model} ({n} paired problems): {metric} vs KV bytes (ringed: recommended)"
+        what = f"{task} / {model} ({n} paired problems): {metric} vs KV bytes\n(ringed: recommended)"
         pareto(rows, what, paths["pareto"], kv, (rec.get("best") or {}).get("run"))
         lengths = out / f"lengths_{task}_{model}.png"
         what = f"{task} / {model}\noutput tokens per paired problem, compressed vs full"
