@@ -98,8 +98,7 @@ def budget_label(budget) -> str:  # `all`: no budget (the full cache, held in a 
     return "all" if missing(budget) else str(int(budget))
 
 
-def budget_key(budget) -> float:  # sort key: `all` after every number
-    return float("inf") if missing(budget) else float(budget)
+budget_key = lambda budget: float("inf") if missing(budget) else float(budget)  # noqa: E731 (`all` last)
 
 
 def diff_ci(r: dict, min_problems: int = 0) -> str:
@@ -159,14 +158,6 @@ CACHE = H(headline="cache", budget="cache", lengths="cache", query="cache")
 BUDGET = H(headline="budget", budget="budget", lengths="budget", query="budget")
 
 
-def _kv(key: str) -> Callable:
-    return _run_figure("kv", key)
-
-
-def _gen(key: str) -> Callable:
-    return _run_figure("generation", key)
-
-
 def _paired(fn: Callable) -> Callable:
     """A figure of the pairing; None for a full or unpaired run."""
     return lambda run, pairing: None if pairing is None else fn(pairing)
@@ -186,9 +177,8 @@ COLUMNS: tuple[Column, ...] = (
            BOTH, value=lambda run, p: run.settings),
     Column("query_aware", "the run setting: False = compressed before the question was seen (a run without "
            "it: True); its own rows", "label", BOTH, value=lambda run, p: run.query_aware),
-    Column("storage", "the KV storage (`storage.name`: `none` = the model dtype, fp8_e4m3, int4, ...); a "
-           "configuration is (method, budget, storage): two storages never share a row", "label", BOTH,
-           value=lambda run, p: run.storage),
+    Column("storage", "the KV storage (`storage.name`: none = the model dtype, fp8_e4m3, int4 ...): its own "
+           "rows, never averaged with another", "label", BOTH, value=lambda run, p: run.storage),
     Column("budget", "KV entries kept per layer and KV head; empty for `full` (report.md: `all`)", "label",
            BOTH, headers=BUDGET, value=lambda run, p: run.budget,
            show=_show(lambda r: budget_label(r["budget"]))),
@@ -219,7 +209,7 @@ COLUMNS: tuple[Column, ...] = (
     # --- the run's own kept/seen (in the tables early, in the CSVs with the run's figures) ---
     Column("kv_kept_fraction", "measured kept/seen: cache entries kept over tokens seen, mean over requests "
            "(1 = nothing dropped; its inverse is the compression, e.g. 0.203 = 4.9x)", "run", BOTH,
-           decimals=4, fmt="{:.3f}", value=_kv("kept_fraction"),
+           decimals=4, fmt="{:.3f}", value=_run_figure("kv", "kept_fraction"),
            headers=H(headline="kept/seen", budget="kept/seen (measured)")),
     # --- paired statistics, per metric key ---
     Column("paired_with", "the `full` run compared with", "cell", LONG),
@@ -341,13 +331,14 @@ COLUMNS: tuple[Column, ...] = (
            decimals=2),
     # --- the run's own figures ---
     Column("kv_peak_bytes", "the largest cache of any request, whole (every KV head), measured in the run's "
-           "dtype", "run", LONG, value=_kv("peak_bytes")),
+           "dtype", "run", LONG, value=_run_figure("kv", "peak_bytes")),
     Column("kv_peak_bytes_per_rank", "what one process held of it (under tensor parallelism its share of the "
-           "KV heads; MLA's latent is whole on every rank)", "run", LONG, value=_kv("peak_bytes_per_rank")),
+           "KV heads; MLA's latent is whole on every rank)", "run", LONG,
+           value=_run_figure("kv", "peak_bytes_per_rank")),
     Column("wall_time_s", "generation wall time of the run's own requests, seconds", "run", LONG, decimals=1,
-           value=_gen("wall_time_s")),
+           value=_run_figure("generation", "wall_time_s")),
     Column("mean_output_tokens", "mean generated tokens per request", "run", LONG, decimals=1,
-           value=_gen("mean_output_tokens")),
+           value=_run_figure("generation", "mean_output_tokens")),
     Column("git_sha", "the commit that produced the run", "run", LONG,
            value=lambda run, p: run.metrics.git_sha),
 )  # fmt: skip

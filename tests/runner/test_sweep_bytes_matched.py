@@ -25,7 +25,7 @@ def _params() -> dict[str, list[str]]:
 
 
 def _kv_key() -> str:
-    """`kv` once conf/eval.yaml lists the storage group (branch kvstore), `+kv` before: the job is the same."""
+    """`kv` once conf/eval.yaml lists the storage group (branch kvstore), `+kv` before: the same job."""
     defaults = OmegaConf.load(CONF_DIR / "eval.yaml").defaults
     return "kv" if any(isinstance(d, dict) and "kv" in d for d in defaults) else "+kv"
 
