@@ -1,5 +1,5 @@
-"""The memory report takes the KV storage (`model.kv`, conf/kv/): bytes per sequence, max batch and the per-GPU
-layout count the storage's codes and scales, the arithmetic a run's measured bytes come from."""
+"""The memory report takes the KV storage (`model.kv`, conf/kv/): bytes per sequence, max batch and the
+per-GPU layout count the storage's codes and scales, the arithmetic a run's measured bytes come from."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_fp8_storage_halves_the_latent_and_counts_its_scales(tmp_path):
     bf16, fp8 = _cfg(tmp_path), _cfg(tmp_path, "model.kv=fp8_e4m3")
     plain = row(deployment(bf16), bf16, 32768, "full", None)
     held = row(deployment(fp8), fp8, 32768, "full", None)
-    # DeepSeek-R1's latent: 61 layers of one 512 + 64 wide head; fp8 one byte each, a float32 scale per K and V
+    # DeepSeek-R1's latent: 61 layers of one 512 + 64 wide head; fp8: a byte each, a float32 scale per K, V
     per_layer = make_storage("fp8_e4m3").layer_bytes(32768, 0, 1, 512, 64, 16)
     assert held["kv_bytes_per_seq"] == 61 * per_layer == 61 * (32768 * 576 + 2 * 4)
     assert plain["kv_bytes_per_seq"] == 61 * 32768 * 576 * 2
