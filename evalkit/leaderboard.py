@@ -231,7 +231,9 @@ def _set_labels(sets: dict[str, list[Run]]) -> dict[str, str]:
     data/version."""
     first = {g: rs[0] for g, rs in sets.items()}
     flat = {g: _flat(r.config) for g, r in first.items()}
-    keys = sorted({k for f in flat.values() for k in f if not k.startswith(("method.", "results_dir"))})
+    keys = sorted(
+        {k for f in flat.values() for k in f if not k.startswith(("method.", "kv.", "results_dir"))}
+    )
     differ = [k for k in keys if len({repr(f.get(k)) for f in flat.values()}) > 1]
     out = {}
     for g, r in first.items():
@@ -249,7 +251,7 @@ def panels(runs: list[Run]) -> dict[tuple[str, str], list[dict]]:
     groups: dict[tuple, dict[str, list[Run]]] = {}
     for r in runs:
         if r.headline in r.metrics.scores:
-            groups.setdefault((r.task, r.model), {}).setdefault(str(r.identity["generation"]), []).append(r)
+            groups.setdefault((r.task, r.model), {}).setdefault(str(r.generation), []).append(r)
     out = {}
     for key, sets in sorted(groups.items()):
         names = _set_labels(sets)

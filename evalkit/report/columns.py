@@ -190,8 +190,8 @@ COLUMNS: tuple[Column, ...] = (
            value=lambda run, p: run.metrics.data_source),
     Column("data_hash", "the hash of the samples' content", "label", LONG,
            value=lambda run, p: run.metrics.data_hash),
-    Column("generation", "hash of everything that decides a generation except the method "
-           "(`identity.generation`)", "label", LONG, value=lambda run, p: run.identity["generation"]),
+    Column("generation", "hash of everything that decides a generation except the method and KV storage "
+           "(`identity.generation`)", "label", LONG, value=lambda run, p: run.generation),
     Column("run", "the run folder under `<results_dir>/runs`", "label", BOTH, value=lambda run, p: run.rel),
     Column("full_run", "the `full` run it is paired with", "label", REPORT,
            value=_paired(lambda p: p.full.rel)),

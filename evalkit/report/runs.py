@@ -89,6 +89,16 @@ class Run:
         return self.config.get("query_aware", True) is not False
 
     @cached_property
+    def generation(self) -> str | None:
+        """The generation identity without the KV storage (`kv`), which like the method is what is compared:
+        runs of one problem set in every storage share it (a leaderboard panel, a wide row's `generation`)."""
+        if not self.config or "kv" not in self.config:
+            return self.identity["generation"]
+        config = {k: v for k, v in self.config.items() if k != "kv"}
+        m = self.metrics
+        return hashes(config, m.task_version, m.data_hash, m.scorer_version)["generation"]
+
+    @cached_property
     def base_generation(self) -> str | None:
         """The generation identity without `query_aware` and the KV storage (`kv`): what a query-agnostic or
         quantized run shares with the full run and with the query-aware run it is compared with (a full cache

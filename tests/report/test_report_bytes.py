@@ -150,3 +150,16 @@ def test_full_cache_in_a_quantized_storage_is_compared_not_the_reference(tmp_pat
     assert quant.verdict == "worse" and quant.budget != quant.budget  # NaN: no budget
     _, wide, _ = leaderboard.build(tmp_path)
     assert wide.set_index("storage").loc["int4", "all"] == 100.0 * (N - WORSE) / N
+
+
+def test_old_and_new_runs_of_every_storage_share_one_problem_set(tmp_path):
+    """A full run from before the storage axis (no `kv`), runs recording `kv: none` and `kv: int4`: one
+    problem set (paired, one leaderboard panel, one `generation`), the storages its lines."""
+    write_run(tmp_path, binary_rows([1] * N), method="full", budget=None)  # no `kv`: an old run
+    _run(tmp_path, "snapstream", 1024, "none", 0)  # a new run in the model dtype records `kv: none`
+    _run(tmp_path, "snapstream", 1024, "int4", 0)
+    rep = build(settings(results_dir=str(tmp_path)))
+    assert rep.problems == [] and len(rep.headline) == 2
+    assert len({r.generation for r in rep.runs}) == 1
+    (panel,) = leaderboard.panels(rep.runs)[("ruler", "smollm2_135m")]
+    assert set(panel["lines"]) == {"snapstream", "snapstream + int4"}
