@@ -369,7 +369,9 @@ def missing_cells(runs: list[Run], settings: ReportSettings) -> list[str]:
                 configs, key=lambda c: (c[0], c[1], c[2] != "none", c[2], not c[3], c[4] or 0)
             ):
                 if (task, method, sett, kv, aware, budget) not in present:
-                    tag = f"{budget}" + ("" if sett == "default" else f"-{sett}")
+                    tag = ("none" if budget is None else f"{budget}") + (
+                        "" if sett == "default" else f"-{sett}"
+                    )
                     folder = method + ("" if kv == "none" else f"+{kv}")
                     out.append(
                         f"{task}/{model}/{folder}/{tag}{'' if aware else ' (query-agnostic)'}: missing"
