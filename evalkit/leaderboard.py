@@ -47,6 +47,7 @@ WIDE_INDEX = [
     "metric",
     "method",
     "settings",
+    "storage",  # a KV storage is its own row: two storages are never averaged or pivoted together
     "query_aware",
     "task_version",
     "scorer_version",
@@ -110,12 +111,14 @@ def long_table(runs: list[Run], pairings: dict, hardware: list[str]) -> pd.DataF
         df[c] = df[c].astype("Int64")
     # run by run (full first), each run's headline row first, then its breakdown keys
     df["_rest"] = ~df["headline"].astype(bool)
-    order = ["model", "task", "method", "settings", "budget", "run", "_rest", "metric", "subset"]
+    order = ["model", "task", "method", "settings", "storage", "budget", "run", "_rest", "metric", "subset"]
     df = df.sort_values(order, na_position="first", key=_full_first).drop(columns="_rest")
     return df.reset_index(drop=True)
 
 
 def _full_first(col: pd.Series) -> pd.Series:
+    if col.name == "storage":  # the model dtype first
+        return col.map(lambda v: "" if v == "none" else v)
     return col.map(lambda v: "" if v == "full" else v) if col.name == "method" else col
 
 
@@ -126,7 +129,7 @@ def rounded(df: pd.DataFrame, hardware: list[str]) -> pd.DataFrame:
     out = df.copy()
     for c in out.columns:
         c = str(c)
-        if c[:1].isdigit():
+        if c[:1].isdigit() or c.startswith("all_"):
             places = by_suffix.get(c.split("_", 1)[1] if "_" in c else "")
         else:
             places = by_name.get(c)
@@ -189,8 +192,9 @@ def wide_table(runs: list[Run], pairings: dict, hardware: list[str]) -> pd.DataF
     if not runs:
         return pd.DataFrame(columns=WIDE_INDEX + ["full"])
     df = _headline_records(runs, pairings, hardware)
-    fulls = df[df.method == "full"][WIDE_INDEX + ["full", "full_n"]]
-    comp = df[df.method != "full"]
+    reference = (df.method == "full") & (df.storage == "none")  # the full cache in a quantized storage is
+    fulls = df[reference][WIDE_INDEX + ["full", "full_n"]]  # a compressed row, its budget column `all`
+    comp = df[~reference].assign(budget=[-1 if pd.isna(b) else b for b in df[~reference].budget])
     if comp.empty:
         return fulls.reset_index(drop=True)
     per_budget = _per_budget(hardware)
@@ -201,17 +205,17 @@ def wide_table(runs: list[Run], pairings: dict, hardware: list[str]) -> pd.DataF
     out = wide.index.to_frame(index=False)
     for c in ("full", "full_n"):
         out[c] = comp.groupby(WIDE_INDEX, sort=True)[c].first().to_numpy()
-    for b in sorted(wide.columns.get_level_values("budget").unique()):
-        out[str(int(b))] = wide[("score", b)].to_numpy()
-        out[f"{int(b)}_n"] = wide[("n", b)].to_numpy()
+    for b in sorted(wide.columns.get_level_values("budget").unique(), key=lambda b: (b < 0, b)):
+        name = "all" if b < 0 else str(int(b))
+        out[name] = wide[("score", b)].to_numpy()
+        out[f"{name}_n"] = wide[("n", b)].to_numpy()
         for col, suffix in per_budget.items():
-            out[f"{int(b)}_{suffix}"] = wide[(col, b)].to_numpy()
+            out[f"{name}_{suffix}"] = wide[(col, b)].to_numpy()
     out = pd.concat([fulls, out], ignore_index=True)
     for c in ["task_version", "scorer_version", "full_n"] + [c for c in out if str(c).endswith("_n")]:
         out[c] = pd.to_numeric(out[c], errors="coerce").astype("Int64")
-    return out.sort_values(["model", "task", "task_version", "generation", "method", "settings"]).reset_index(
-        drop=True
-    )
+    order = ["model", "task", "task_version", "generation", "method", "settings", "storage"]
+    return out.sort_values(order, key=_full_first).reset_index(drop=True)
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -227,7 +231,9 @@ def _set_labels(sets: dict[str, list[Run]]) -> dict[str, str]:
     data/version."""
     first = {g: rs[0] for g, rs in sets.items()}
     flat = {g: _flat(r.config) for g, r in first.items()}
-    keys = sorted({k for f in flat.values() for k in f if not k.startswith(("method.", "results_dir"))})
+    keys = sorted(
+        {k for f in flat.values() for k in f if not k.startswith(("method.", "kv.", "results_dir"))}
+    )
     differ = [k for k in keys if len({repr(f.get(k)) for f in flat.values()}) > 1]
     out = {}
     for g, r in first.items():
@@ -245,17 +251,17 @@ def panels(runs: list[Run]) -> dict[tuple[str, str], list[dict]]:
     groups: dict[tuple, dict[str, list[Run]]] = {}
     for r in runs:
         if r.headline in r.metrics.scores:
-            groups.setdefault((r.task, r.model), {}).setdefault(str(r.identity["generation"]), []).append(r)
+            groups.setdefault((r.task, r.model), {}).setdefault(str(r.generation), []).append(r)
     out = {}
     for key, sets in sorted(groups.items()):
         names = _set_labels(sets)
         out[key] = []
         for gen, rs in sorted(sets.items(), key=lambda kv: names[kv[0]]):
             panel = {"title": names[gen], "full": [], "lines": {}}
-            for r in sorted(rs, key=lambda r: (r.method, r.settings, r.budget or 0)):
+            for r in sorted(rs, key=lambda r: (r.method, r.settings, r.storage, r.budget or 0)):
                 v = r.metrics.scores[r.headline]
-                label = config_label(r.method, r.settings)
-                if r.is_full:
+                label = config_label(r.method, r.settings, storage=r.storage)
+                if r.budget is None:  # the full cache, in the model dtype or a quantized storage: a level
                     panel["full"].append((label, v["mean"], v.get("stderr") or 0.0, v.get("n")))
                 else:
                     panel["lines"].setdefault(label, []).append((r.budget, v["mean"], v.get("stderr") or 0.0))
@@ -370,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
             for c in wide.columns
             if c in ("model", "task", "method", "settings", "full")
             or c.isdigit()
+            or c == "all"
             or c.endswith(("_vs_full", "_verdict"))
         ]
         print(wide[show].to_string(index=False, float_format=lambda v: f"{v:.2f}", na_rep="-"))

@@ -10,7 +10,11 @@ import hashlib
 import json
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from evalkit import identity as run_identity
+from evalkit.config import group_config
+from evalkit.kv.storage import make_storage
 from evalkit.metrics import Metrics
 from evalkit.sample import aggregate
 
@@ -76,6 +80,8 @@ def write_run(
     peak: tuple[int, int] = (2000, 2100),
     query_aware: bool | None = None,  # the run setting; None: a config without the key (older runs)
     multi_question: bool = False,  # the run setting (with query_aware=False): one row per question
+    kv: str | None = None,  # KV storage (conf/kv/); None: a run from before the axis (no `kv`, no `storage`)
+    peak_bytes: int = 0,
 ) -> Path:
     """Write `<root>/runs/<task>/<model>/<method>/<tag>/{metrics.json,samples.jsonl,config.yaml}`; the
     generation identity hashes what determines generations (not the method), as the runner does. A
@@ -86,6 +92,7 @@ def write_run(
         f"-{k}{v}" for k, v in sorted(settings.items())
     )
     kind = method + ("-query_agnostic" if query_aware is False else "") + ("-mq" if multi_question else "")
+    kind += "" if kv in (None, "none") else f"+{kv}"  # the runner's folder: <method>+<kv name>
     folder = Path(root) / "runs" / task / model / kind / tag
     folder.mkdir(parents=True, exist_ok=True)
     cfg = {
@@ -99,6 +106,10 @@ def write_run(
         cfg["query_aware"] = query_aware
     if multi_question:
         cfg["multi_question"] = True
+    extra = {}
+    if kv is not None:  # as the runner with the storage axis: the composed `kv` node and its describe()
+        cfg["kv"] = OmegaConf.to_container(group_config("kv", kv))
+        extra["storage"] = make_storage(kv).describe()
     method_record = {
         "name": method,
         "budget": budget,
@@ -121,7 +132,7 @@ def write_run(
         scores=aggregate([r["scores"] for r in rows]),
         kv={
             "kept_fraction": 1.0 if method == "full" else compression,
-            "peak_bytes": 0,
+            "peak_bytes": peak_bytes,
             "peak_entries": 0,
             "peak_prompt_tokens": peak[0],
             "peak_seen_tokens": peak[1],
@@ -129,6 +140,7 @@ def write_run(
         },
         generation={"requests": len(rows) * repeats, "mean_output_tokens": 3.0, "from_journal": 0},
         provenance={"git_sha": "abc", "config": cfg},
+        extra=extra,
     )
     (folder / "metrics.json").write_text(json.dumps(metrics.to_json()))
     (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

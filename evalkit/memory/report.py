@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from omegaconf import OmegaConf
 
 from evalkit import metrics as metrics_record
 from evalkit.memory.model import MemoryReportError, kv_geometry, load_hf_config, model_spec
@@ -37,12 +38,33 @@ def hf_config_of(m: dict) -> dict:
     return hf_config
 
 
+def kv_storage(name_or_cfg):
+    """The KV storage `model.kv` names (conf/kv/: none, fp8_e4m3, int4, ... or a node with `_target_`), None
+    for `none` (entries in `model.kv_dtype`); a bad one is a MemoryReportError naming the setting."""
+    from evalkit.config import ConfigError
+    from evalkit.kv.storage import make_storage
+
+    if name_or_cfg in (None, "none"):
+        return None
+    try:
+        storage = make_storage(name_or_cfg if isinstance(name_or_cfg, str) else OmegaConf.create(name_or_cfg))
+    except ConfigError as e:
+        raise MemoryReportError(f"model.kv: {e}") from None
+    return None if storage.name == "none" else storage
+
+
 def deployment(cfg: dict) -> Deployment:
     """The Deployment described by a resolved `conf/memory.yaml` (as plain dicts)."""
     m = cfg["model"]
     hf_config = hf_config_of(m)
     spec = model_spec(
-        m["name"], hf_config, m["weight_dtype"], m["kv_dtype"], m.get("kv_layout"), m.get("num_parameters")
+        m["name"],
+        hf_config,
+        m["weight_dtype"],
+        m["kv_dtype"],
+        m.get("kv_layout"),
+        m.get("num_parameters"),
+        kv_storage(m.get("kv")),
     )
     hw = Hardware.from_cfg(cfg["hardware"])
     par = cfg["parallel"]
@@ -123,7 +145,7 @@ def row(dep: Deployment, cfg: dict, context: int, method: str, budget: int | Non
         "kv_entries": entries,
         "kept_fraction": entries / (context + decode),  # kept / seen
         "kv_bytes_per_token": dep.model.kv.bytes_per_entry,
-        "kv_bytes_per_seq": dep.model.kv.bytes_per_entry * entries,
+        "kv_bytes_per_seq": dep.model.kv.sequence_bytes(entries),  # in its storage: codes + scales
         "kv_bytes_per_seq_socket": dep.kv_bytes_socket(entries),
         "weight_bytes_socket": dep.weight_bytes_socket,
         "max_batch": max_batch,

@@ -92,6 +92,9 @@ class Deployment:
     tp: int
     attention: str = "dp_attention"
     mtp_factor: float = 1.0  # accepted tokens per step with multi-token prediction (paper: 2.4)
+    ring: int = (
+        0  # of a sequence's entries, a ring overwritten at decode (a quantized storage keeps it in kv_bits)
+    )
 
     def __post_init__(self):
         kv, hw = self.model.kv, self.hw
@@ -142,8 +145,9 @@ class Deployment:
         return max(self.hw.hbm_bytes - self.weight_bytes_socket, 0)
 
     def kv_bytes_socket(self, entries: int) -> int:
-        """Bytes one sequence of `entries` slots occupies on each socket that holds it."""
-        return self.model.kv.bytes_per_entry * entries // self.kv_shard
+        """Bytes one sequence of `entries` slots occupies on each socket that holds it (in the KV storage:
+        codes, scales and residual; without one, entries x the dtype's bytes)."""
+        return self.model.kv.sequence_bytes(entries, min(self.ring, entries)) // self.kv_shard
 
     def max_batch(self, entries: int, reserve: int | None = None) -> int:
         """Largest batch whose KV fits in HBM next to the weights; `reserve` caps the KV bytes per socket

@@ -19,11 +19,13 @@ import csv
 import math
 from pathlib import Path
 
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from evalkit.config import CONF_DIR
+from evalkit.config import CONF_DIR, group_config
+from evalkit.kv.config import method_class
 from evalkit.memory.model import MemoryReportError, ModelSpec, model_spec
-from evalkit.memory.report import run_entries
+from evalkit.memory.report import kv_storage, run_entries
 from evalkit.memory.sim import Deployment, Hardware
 from evalkit.report.runs import Run
 
@@ -40,15 +42,37 @@ def hardware_cfg(name: str) -> dict:
     return OmegaConf.to_container(merged)
 
 
-def spec_of(run: Run, deploy: dict) -> ModelSpec:
-    """The run's model from its recorded HF config, stored in the deployment's dtypes."""
+def spec_of(run: Run, deploy: dict, storage=None) -> ModelSpec:
+    """The run's model from its recorded HF config, stored in the deployment's dtypes; its KV held by
+    `storage` (None: in `deploy.kv_dtype`)."""
     hf_config = run.metrics.model.get("hf_config")
     if not hf_config:
         raise MemoryReportError(f"{run.rel}: metrics.json has no model.hf_config")
-    return model_spec(run.model, hf_config, deploy["weight_dtype"], deploy["kv_dtype"])
+    return model_spec(run.model, hf_config, deploy["weight_dtype"], deploy["kv_dtype"], storage=storage)
 
 
-def deployment(spec: ModelSpec, hw: Hardware, deploy: dict) -> Deployment:
+def storage_of(run: Run):
+    """The run's KV storage as its saved config made it (`kv`: its settings, group and residual included),
+    or by its recorded name; None for `none` (the deployment's kv_dtype)."""
+    if run.storage == "none":
+        return None
+    node = run.config.get("kv")
+    return kv_storage(node if isinstance(node, dict) and node.get("_target_") else run.storage)
+
+
+def ring_of(run: Run) -> int:
+    """Entries of the run's cache that decode overwrites in place (a ring method's recent block: a
+    quantized storage keeps it in the model dtype); 0 for an appending cache."""
+    if run.budget is None:
+        return 0
+    cfg = group_config("method", str(run.metrics.method.get("conf") or run.method))
+    if not method_class(cfg.get("_target_")).ring:
+        return 0
+    own = {k: v for k, v in run.metrics.method.items() if k in cfg and k != "_target_"}
+    return int(instantiate(OmegaConf.merge(cfg, own)).blocks()[1])
+
+
+def deployment(spec: ModelSpec, hw: Hardware, deploy: dict, ring: int = 0) -> Deployment:
     """`spec` on `hw`; tp `auto` = the largest degree dividing both the sockets and the attention heads (the
     memory report's default, tp = sockets, whenever that is legal)."""
     tp = math.gcd(hw.sockets, spec.kv.heads) if deploy["tp"] == "auto" else int(deploy["tp"])
@@ -57,7 +81,7 @@ def deployment(spec: ModelSpec, hw: Hardware, deploy: dict) -> Deployment:
             f"deploy.tp={tp} does not divide both {hw.name}'s {hw.sockets} sockets and the "
             f"{spec.kv.heads} attention heads of {spec.name}: set deploy.tp=auto (the largest that does)"
         )
-    return Deployment(spec, hw, tp, deploy["attention"], float(deploy["mtp_factor"]))
+    return Deployment(spec, hw, tp, deploy["attention"], float(deploy["mtp_factor"]), ring)
 
 
 def _prefill(g: dict) -> int:
@@ -153,9 +177,8 @@ def memory_row(
     max batch and tok/s gain (memory-bound upper bounds); the run's measured peak bytes in its own dtype.
     `comp_lengths`: the compressed run's cache_lengths (what its prefill compressed of each request)."""
     prefill, prompt, seen, basis = context_of(full, full_rows, comp_lengths)
-    spec = spec_of(full, deploy)
-    entries = run_entries(comp.method, comp.budget, prefill, seen)
-    per_entry = spec.kv.bytes_per_entry
+    spec, spec_full = spec_of(full, deploy, storage_of(comp)), spec_of(full, deploy)
+    entries, ring = run_entries(comp.method, comp.budget, prefill, seen), ring_of(comp)
     kv = comp.metrics.kv
     row = {
         "context_tokens": seen,
@@ -167,15 +190,16 @@ def memory_row(
         "dtype_measured": comp.metrics.model.get("dtype"),
         "kv_entries": entries,
         "kv_entries_full": seen,
-        "kv_bytes_seq": per_entry * entries,
-        "kv_bytes_seq_full": per_entry * seen,
-        "memory_saving": 1 - entries / seen,
+        "kv_bytes_seq": spec.kv.sequence_bytes(entries, min(ring, entries)),  # codes, scales, residual
+        "kv_bytes_seq_full": spec_full.kv.sequence_bytes(seen),
+        "memory_saving": None,
         "tp": {},
     }
+    row["memory_saving"] = 1 - row["kv_bytes_seq"] / row["kv_bytes_seq_full"]
     for name, hw in hardware.items():
-        dep = deployment(spec, hw, deploy)
+        dep = deployment(spec, hw, deploy, min(ring, entries))
         b, tok = _at_max_batch(dep, entries)
-        b_full, tok_full = _at_max_batch(dep, seen)
+        b_full, tok_full = _at_max_batch(deployment(spec_full, hw, deploy), seen)
         row |= {
             f"max_batch_{name}": b,
             f"max_batch_full_{name}": b_full,

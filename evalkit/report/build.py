@@ -15,12 +15,15 @@ from evalkit.config import CONF_DIR
 from evalkit.memory.model import MemoryReportError
 from evalkit.report import columns
 from evalkit.report.budget import bench_speedup, load_hardware, memory_row
+from evalkit.report.columns import budget_key, budget_label
 from evalkit.report.config import ReportConfigError, ReportSettings
+from evalkit.report.frontier import equal_bytes, frontier, recommend_bytes
 from evalkit.report.pairing import Pairing, PairingError, pair, partner
 from evalkit.report.runs import Run, RunError, load_runs, unfinished
 
-# one configuration, apart from its budget; query-agnostic runs (`query_aware: false`) are other ones
-GROUP = ["model", "task", "method", "settings", "query_aware"]
+# one configuration, apart from its budget; another KV storage or query-agnostic runs (`query_aware: false`)
+# are other ones: two storages never share a group, a row or a recommendation
+GROUP = ["model", "task", "method", "settings", "storage", "query_aware"]
 
 
 @dataclass
@@ -35,6 +38,11 @@ class Report:
     by_model: list[dict] = field(default_factory=list)  # per (model, method, settings), across tasks
     lengths: dict[str, dict] = field(default_factory=dict)  # compressed run -> lengths.per_problem (the plot)
     query: pd.DataFrame = field(default_factory=pd.DataFrame)  # query-agnostic vs query-aware, per metric key
+    frontier: dict = field(
+        default_factory=dict
+    )  # (model, task) -> frontier.frontier's rows, fewest bytes first
+    by_bytes: list[dict] = field(default_factory=list)  # per (model, task): the cheapest safe configuration
+    equal: pd.DataFrame = field(default_factory=pd.DataFrame)  # equal-bytes pairs' paired statistics
 
     @property
     def headline(self) -> pd.DataFrame:
@@ -107,15 +115,15 @@ def memory_of(p: Pairing, hardware, settings: ReportSettings, problems: list[str
     # the results folder's own bench first, then the figures published in the repository
     benches = [settings.results_dir / "bench", CONF_DIR.parent / "results" / "bench"]
     c = p.compressed
-    return (
-        row
-        | {f"tp_{k}": v for k, v in tp.items()}
-        | bench_speedup(benches, c.model, c.method, c.budget, row["context_tokens"])
-    )
+    # the bench measures the model dtype: none of its figures is a quantized storage's
+    bench = bench_speedup(benches, c.model, c.method, c.budget, row["context_tokens"])
+    return row | {f"tp_{k}": v for k, v in tp.items()} | (bench if c.storage == "none" else {})
 
 
-def _aware_first(col: pd.Series) -> pd.Series:
-    """Sort key: a query-aware configuration before its query-agnostic counterpart."""
+def _sort_key(col: pd.Series) -> pd.Series:
+    """Sort key: a query-aware configuration before its query-agnostic counterpart, the model dtype first."""
+    if col.name == "storage":
+        return col.map(lambda v: "" if v == "none" else v)
     return ~col.astype(bool) if col.name == "query_aware" else col
 
 
@@ -141,12 +149,15 @@ def build(settings: ReportSettings) -> Report:
             )
     cells = pd.DataFrame(rows)
     if len(cells):
-        cells = cells.sort_values(GROUP + ["budget", "metric"], key=_aware_first).reset_index(drop=True)
+        cells = cells.sort_values(GROUP + ["budget", "metric"], key=_sort_key).reset_index(drop=True)
     report = Report(settings, runs, cells, problems, notes, lengths=report_lengths)
     report.query = query_cells(runs, settings, problems, notes)
     report.missing = missing_cells(runs, settings) + unfinished(settings.results_dir)
     report.by_task = recommend_tasks(report.headline)
     report.by_model = recommend_models(report.headline, runs)
+    report.frontier = frontier(report.headline)
+    report.by_bytes = recommend_bytes(report.frontier)
+    report.equal = equal_bytes(report.headline, runs, settings, report.problems)
     return report
 
 
@@ -180,9 +191,14 @@ def gain_check(row) -> tuple[bool | None, str]:
     tok = ", ".join(f"{row[f'tok_s_gain_{h}']:.2f}x" for h in hw)
     what = "length inflation erases the gain" if row.token_gain < 1 else "the budget buys no decode gain"
     return False, (
-        f"{int(row.budget)}: {what} (effective gain {eff}: memory-bound gain {tok} x full/compressed "
-        f"tokens {row.token_gain:.2f})"
+        f"{budget_label(row.budget)}: {what} (effective gain {eff}: memory-bound gain {tok} x "
+        f"full/compressed tokens {row.token_gain:.2f})"
     )
+
+
+def _budget(budget) -> int | str:
+    """A recommendation's budget: the number, or `all` for the full cache in a quantized storage."""
+    return budget_label(budget) if pd.isna(budget) else int(budget)
 
 
 def _undecided(rows: pd.DataFrame) -> str:
@@ -191,7 +207,7 @@ def _undecided(rows: pd.DataFrame) -> str:
     if inc.empty:
         return "every budget is worse than full" if len(rows) else "no paired budget"
     need = [
-        f"{int(r.budget)}: "
+        f"{budget_label(r.budget)}: "
         + ("unknown" if pd.isna(r.n_needed) else f"~{int(r.n_needed)} (+{int(r.n_more)})")
         for r in inc.itertuples()
     ]
@@ -206,7 +222,7 @@ def recommend_tasks(head: pd.DataFrame) -> list[dict]:
         return out
     for key, rows in head.groupby(GROUP, sort=True):
         rows = rows.sort_values("budget")
-        rec = dict(zip(GROUP, key)) | {"budgets": [int(b) for b in rows.budget]}
+        rec = dict(zip(GROUP, key)) | {"budgets": [_budget(b) for b in rows.budget]}
         erased = []  # non-inferior budgets refused: their length inflation erases the gain
         for _, best in rows[rows.verdict == "non-inferior"].iterrows():
             ok, why = gain_check(best)
@@ -215,7 +231,7 @@ def recommend_tasks(head: pd.DataFrame) -> list[dict]:
                 continue
             caveat = best.get("length_caveat") if ok else None  # e.g. empty outputs left out of the gain
             rec |= {
-                "budget": int(best.budget),
+                "budget": _budget(best.budget),
                 "diff": best.paired_diff,
                 "ci": (best.ci_low, best.ci_high),
                 **_gains(best),
@@ -229,7 +245,12 @@ def recommend_tasks(head: pd.DataFrame) -> list[dict]:
             status = ("non-inferior but " + "; ".join(erased)) if erased else _undecided(rows)
             rec |= {"budget": None, "status": status}
         out.append(rec)
-    return sorted(out, key=lambda r: [r[k] if k != "query_aware" else not r[k] for k in GROUP])
+    return sorted(out, key=lambda r: [_order(k, r[k]) for k in GROUP])
+
+
+def _order(key: str, value):
+    """A recommendation's sort position on `key`: query-aware first, the model dtype first."""
+    return not value if key == "query_aware" else (value != "none", value) if key == "storage" else value
 
 
 def _qualifies(row) -> str:
@@ -249,18 +270,19 @@ def recommend_models(head: pd.DataFrame, runs: list[Run]) -> list[dict]:
     tasks = defaultdict(set)  # query-aware and query-agnostic runs: each over the tasks run that way
     for r in runs:
         tasks[(r.model, r.query_aware)].add(r.task)
-    for (model, method, settings, aware), rows in head.groupby(
-        ["model", "method", "settings", "query_aware"], sort=True
+    for (model, method, settings, storage, aware), rows in head.groupby(
+        ["model", "method", "settings", "storage", "query_aware"], sort=True
     ):
-        verdicts = {(r.task, int(r.budget)): _qualifies(r) for _, r in rows.iterrows()}
+        verdicts = {(r.task, _budget(r.budget)): _qualifies(r) for _, r in rows.iterrows()}
         rec = {
             "model": model,
             "method": method,
             "settings": settings,
+            "storage": storage,
             "query_aware": aware,
             "tasks": sorted(tasks[(model, aware)]),
         }
-        for budget in sorted({b for _, b in verdicts}):
+        for budget in sorted({b for _, b in verdicts}, key=lambda b: budget_key(None if b == "all" else b)):
             short = [t for t in rec["tasks"] if verdicts.get((t, budget)) != "non-inferior"]
             if not short:
                 rec |= {"budget": budget, "status": "non-inferior on every task"}
@@ -269,7 +291,10 @@ def recommend_models(head: pd.DataFrame, runs: list[Run]) -> list[dict]:
         else:
             rec |= {"budget": None, "status": "no budget is non-inferior on every task"}
         out.append(rec)
-    return sorted(out, key=lambda r: (r["model"], r["method"], r["settings"], not r["query_aware"]))
+    return sorted(
+        out, key=lambda r: (r["model"], r["method"], r["settings"], r["storage"] != "none", r["storage"],
+                            not r["query_aware"])
+    )  # fmt: skip
 
 
 # --- query-agnostic vs query-aware --------------------------------------------------------------------------
@@ -282,12 +307,12 @@ def query_pairs(runs: list[Run], notes: list[str]) -> list[tuple[Run, Run]]:
     aware = defaultdict(list)
     for r in runs:
         if not r.is_full and r.query_aware:
-            aware[(r.model, r.task, r.method, r.settings, r.budget, r.base_generation)].append(r)
+            aware[(r.model, r.task, r.method, r.settings, r.storage, r.budget, r.base_generation)].append(r)
     out = []
     for r in runs:
         if r.is_full or r.query_aware:
             continue
-        match = aware.get((r.model, r.task, r.method, r.settings, r.budget, r.base_generation), [])
+        match = aware.get((r.model, r.task, r.method, r.settings, r.storage, r.budget, r.base_generation), [])
         if len(match) == 1:
             out.append((r, match[0]))
         else:
@@ -314,19 +339,14 @@ def query_cells(runs: list[Run], settings: ReportSettings, problems: list[str], 
         except (PairingError, RunError) as e:
             problems.append(str(e))
             continue
-        base = {k: getattr(agnostic, k) for k in ("model", "task", "method", "settings", "budget")}
+        base = {k: getattr(agnostic, k) for k in ("model", "task", "method", "settings", "storage", "budget")}
         base |= {"run": agnostic.rel, "aware_run": aware.rel, **p.lengths}
         rows += [
             {**base, "metric": key, "is_headline": key == agnostic.headline, **cell}
             for key, cell in sorted(p.cells.items())
         ]
     cells = pd.DataFrame(rows)
-    return cells.sort_values(GROUP[:4] + ["budget", "metric"]).reset_index(drop=True) if len(cells) else cells
-
-
-def _config_order(c: tuple) -> tuple:
-    method, sett, aware, budget = c
-    return method, sett, not aware, budget or 0
+    return cells.sort_values(GROUP[:5] + ["budget", "metric"]).reset_index(drop=True) if len(cells) else cells
 
 
 def missing_cells(runs: list[Run], settings: ReportSettings) -> list[str]:
@@ -337,20 +357,23 @@ def missing_cells(runs: list[Run], settings: ReportSettings) -> list[str]:
     for model in sorted({r.model for r in runs}):
         mine = [r for r in runs if r.model == model]
         tasks = sorted({r.task for r in mine} | set(settings.expect.get("tasks", [])))
-        present = {(r.task, r.method, r.settings, r.query_aware, r.budget) for r in mine}
-        configs = {(r.method, r.settings, r.query_aware, r.budget) for r in mine if not r.is_full}
+        present = {(r.task, r.method, r.settings, r.storage, r.query_aware, r.budget) for r in mine}
+        configs = {(r.method, r.settings, r.storage, r.query_aware, r.budget) for r in mine if not r.is_full}
         for method in settings.expect.get("methods", []):
             budgets = [None] if method == "full" else settings.expect.get("budgets", [])
-            configs |= {(method, "default", True, b) for b in budgets if method != "full"}
+            configs |= {(method, "default", "none", True, b) for b in budgets if method != "full"}
         for task in tasks:
             if not any(r.task == task and r.is_full for r in mine):
                 out.append(f"{task}/{model}/full: missing (no full run: nothing on this task can be paired)")
-            for method, sett, aware, budget in sorted(
-                configs, key=lambda c: (c[0], c[1], not c[2], c[3] or 0)
+            for method, sett, kv, aware, budget in sorted(
+                configs, key=lambda c: (c[0], c[1], c[2] != "none", c[2], not c[3], c[4] or 0)
             ):
-                if (task, method, sett, aware, budget) not in present:
-                    tag = f"{budget}" + ("" if sett == "default" else f"-{sett}")
+                if (task, method, sett, kv, aware, budget) not in present:
+                    tag = ("none" if budget is None else f"{budget}") + (
+                        "" if sett == "default" else f"-{sett}"
+                    )
+                    folder = method + ("" if kv == "none" else f"+{kv}")
                     out.append(
-                        f"{task}/{model}/{method}/{tag}{'' if aware else ' (query-agnostic)'}: missing"
+                        f"{task}/{model}/{folder}/{tag}{'' if aware else ' (query-agnostic)'}: missing"
                     )
     return out

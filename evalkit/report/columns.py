@@ -87,10 +87,18 @@ MARK = {"non-inferior": "✓", "worse": "✗", "inconclusive": "?"}
 SMALL = "†"  # a CI from fewer than min_problems paired problems: said under each table that shows one
 
 
-def config_label(method: str, settings: str, query_aware=True) -> str:
-    """A configuration's label: `snapstream recent64`; a query-agnostic run says so."""
+def config_label(method: str, settings: str, query_aware=True, storage="none") -> str:
+    """`snapstream recent64`, `snapstream + int4` (a storage but the model dtype), `(query-agnostic)`."""
     name = method if settings == "default" else f"{method} {settings}"
+    name += "" if missing(storage) or storage == "none" else f" + {storage}"
     return name if query_aware is not False else f"{name} (query-agnostic)"
+
+
+def budget_label(budget) -> str:  # `all`: no budget (the full cache, held in a quantized storage)
+    return "all" if missing(budget) else str(int(budget))
+
+
+budget_key = lambda budget: float("inf") if missing(budget) else float(budget)  # noqa: E731 (`all` last)
 
 
 def diff_ci(r: dict, min_problems: int = 0) -> str:
@@ -150,14 +158,6 @@ CACHE = H(headline="cache", budget="cache", lengths="cache", query="cache")
 BUDGET = H(headline="budget", budget="budget", lengths="budget", query="budget")
 
 
-def _kv(key: str) -> Callable:
-    return _run_figure("kv", key)
-
-
-def _gen(key: str) -> Callable:
-    return _run_figure("generation", key)
-
-
 def _paired(fn: Callable) -> Callable:
     """A figure of the pairing; None for a full or unpaired run."""
     return lambda run, pairing: None if pairing is None else fn(pairing)
@@ -171,13 +171,17 @@ COLUMNS: tuple[Column, ...] = (
            "label", BOTH, value=lambda run, p: run.task),
     Column("method", "the method's conf name (`method.name`); report.md's `cache` is it with its settings "
            "and `(query-agnostic)`", "label", BOTH, headers=CACHE, value=lambda run, p: run.method,
-           show=_show(lambda r: config_label(r["method"], r["settings"], r.get("query_aware")))),
+           show=_show(lambda r: config_label(r["method"], r["settings"], r.get("query_aware"),
+                                             r.get("storage")))),
     Column("settings", "method settings changed from the conf defaults (`recent64`), or `default`", "label",
            BOTH, value=lambda run, p: run.settings),
     Column("query_aware", "the run setting: False = compressed before the question was seen (a run without "
            "it: True); its own rows", "label", BOTH, value=lambda run, p: run.query_aware),
-    Column("budget", "KV entries kept per layer and KV head; empty for `full`", "label", BOTH, headers=BUDGET,
-           value=lambda run, p: run.budget, show=_show(lambda r: str(int(r["budget"])))),
+    Column("storage", "the KV storage (`storage.name`: none = the model dtype, fp8_e4m3, int4 ...): its own "
+           "rows, never averaged with another", "label", BOTH, value=lambda run, p: run.storage),
+    Column("budget", "KV entries kept per layer and KV head; empty for `full` (report.md: `all`)", "label",
+           BOTH, headers=BUDGET, value=lambda run, p: run.budget,
+           show=_show(lambda r: budget_label(r["budget"]))),
     Column("task_version", "the task module's prompt/data version", "label", LONG,
            value=lambda run, p: run.metrics.task_version),
     Column("scorer_version", "the task module's scorer version", "label", LONG,
@@ -186,8 +190,8 @@ COLUMNS: tuple[Column, ...] = (
            value=lambda run, p: run.metrics.data_source),
     Column("data_hash", "the hash of the samples' content", "label", LONG,
            value=lambda run, p: run.metrics.data_hash),
-    Column("generation", "hash of everything that decides a generation except the method "
-           "(`identity.generation`)", "label", LONG, value=lambda run, p: run.identity["generation"]),
+    Column("generation", "hash of everything that decides a generation except the method and KV storage "
+           "(`identity.generation`)", "label", LONG, value=lambda run, p: run.generation),
     Column("run", "the run folder under `<results_dir>/runs`", "label", BOTH, value=lambda run, p: run.rel),
     Column("full_run", "the `full` run it is paired with", "label", REPORT,
            value=_paired(lambda p: p.full.rel)),
@@ -205,7 +209,7 @@ COLUMNS: tuple[Column, ...] = (
     # --- the run's own kept/seen (in the tables early, in the CSVs with the run's figures) ---
     Column("kv_kept_fraction", "measured kept/seen: cache entries kept over tokens seen, mean over requests "
            "(1 = nothing dropped; its inverse is the compression, e.g. 0.203 = 4.9x)", "run", BOTH,
-           decimals=4, fmt="{:.3f}", value=_kv("kept_fraction"),
+           decimals=4, fmt="{:.3f}", value=_run_figure("kv", "kept_fraction"),
            headers=H(headline="kept/seen", budget="kept/seen (measured)")),
     # --- paired statistics, per metric key ---
     Column("paired_with", "the `full` run compared with", "cell", LONG),
@@ -248,9 +252,11 @@ COLUMNS: tuple[Column, ...] = (
     # --- what the budget buys (modelled at the full run's median request) ---
     Column("kv_entries", "modelled cache entries per layer and KV head at that request", "memory", REPORT,
            fmt="{:.0f}", headers=H(budget="entries")),
-    Column("kv_bytes_seq", "modelled KV bytes per sequence in the deployment's KV dtype", "memory", REPORT,
+    Column("kv_bytes_seq", "modelled KV bytes per sequence in the run's KV storage (codes, scales, zero "
+           "points, full-precision residual; `none`: the deployment's KV dtype)", "memory", REPORT,
            headers=H(budget="KV / sequence ({kv_dtype})"), show=lambda r, col, ctx: mib(r.get(col.name))),
-    Column("memory_saving", "1 - modelled entries / the full cache's", "memory", REPORT, fmt="{:.1%}",
+    Column("memory_saving", "1 - modelled KV bytes / the full cache's (in the KV dtype)", "memory", REPORT,
+           fmt="{:.1%}",
            headers=H(budget="saving")),
     Column("max_batch_{hw}", "the largest batch whose KV fits beside the weights on `<hw>` (memory-bound "
            "upper bound; report.md: the full cache's beside it)", "memory", REPORT, per_hw=True,
@@ -325,13 +331,14 @@ COLUMNS: tuple[Column, ...] = (
            decimals=2),
     # --- the run's own figures ---
     Column("kv_peak_bytes", "the largest cache of any request, whole (every KV head), measured in the run's "
-           "dtype", "run", LONG, value=_kv("peak_bytes")),
+           "dtype", "run", LONG, value=_run_figure("kv", "peak_bytes")),
     Column("kv_peak_bytes_per_rank", "what one process held of it (under tensor parallelism its share of the "
-           "KV heads; MLA's latent is whole on every rank)", "run", LONG, value=_kv("peak_bytes_per_rank")),
+           "KV heads; MLA's latent is whole on every rank)", "run", LONG,
+           value=_run_figure("kv", "peak_bytes_per_rank")),
     Column("wall_time_s", "generation wall time of the run's own requests, seconds", "run", LONG, decimals=1,
-           value=_gen("wall_time_s")),
+           value=_run_figure("generation", "wall_time_s")),
     Column("mean_output_tokens", "mean generated tokens per request", "run", LONG, decimals=1,
-           value=_gen("mean_output_tokens")),
+           value=_run_figure("generation", "mean_output_tokens")),
     Column("git_sha", "the commit that produced the run", "run", LONG,
            value=lambda run, p: run.metrics.git_sha),
 )  # fmt: skip

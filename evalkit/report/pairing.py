@@ -41,9 +41,9 @@ LABELS = {"data_hash": "data hash", "setup": "task.setup", "headline": "task.hea
 
 
 def generation_fields(run: Run) -> dict:
-    """What must be equal for a full partner: the generation identity's fields but `query_aware`."""
+    """What must be equal for a full partner: the generation identity's fields but `query_aware` and `kv`."""
     m = run.metrics
-    config = {k: v for k, v in run.config.items() if k != "query_aware"}
+    config = {k: v for k, v in run.config.items() if k not in ("query_aware", "kv")}
     return _flat(identity.generation_fields(config, m.task_version, m.data_hash))
 
 

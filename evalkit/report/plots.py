@@ -15,7 +15,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from evalkit.report.build import Report  # noqa: E402
-from evalkit.report.columns import config_label  # noqa: E402
+from evalkit.report.columns import budget_key, budget_label, config_label  # noqa: E402
 from evalkit.results import save_figure  # noqa: E402
 
 # worse: a downward triangle; an X crossed by the vertical CI line read as two stacked markers
@@ -36,26 +36,28 @@ def _verdict_legend(ax) -> None:
 def forest(head: pd.DataFrame, title: str, path: Path, confidence: float = 0.95) -> None:
     """Paired difference and CI against budget, one series per cache, the +-delta band shaded."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    budgets = sorted(set(int(b) for b in head.budget))
+    budgets = sorted(
+        {budget_label(b) for b in head.budget}, key=lambda b: budget_key(None if b == "all" else b)
+    )
     pos = {b: i for i, b in enumerate(budgets)}
-    groups = list(head.groupby(["method", "settings", "query_aware"], sort=True))
+    groups = list(head.groupby(["method", "settings", "storage", "query_aware"], sort=True))
     margin = float(head.margin.iloc[0])
     ax.axhspan(-margin, margin, color="tab:green", alpha=0.12, label=f"±δ ({margin:g} points)")
     ax.axhline(0, color="black", lw=0.8)
     ax.axhline(-margin, color="tab:green", lw=1, ls="--")
-    for g, ((method, sett, aware), rows) in enumerate(groups):
+    for g, ((method, sett, kv, aware), rows) in enumerate(groups):
         shift = (g - (len(groups) - 1) / 2) * 0.12
         color = f"C{g}"
         for r in rows.itertuples():
-            x = pos[int(r.budget)] + shift
+            x = pos[budget_label(r.budget)] + shift
             ax.plot([x, x], [r.ci_low, r.ci_high], color=color, lw=2, zorder=2)
             marker, fill = STYLE[r.verdict]
             ax.plot(x, r.paired_diff, marker=marker, ms=9, color=color, fillstyle=fill, mec=color, zorder=3)
             if fill == "none":  # hollow: the CI line must not show through
                 ax.plot(x, r.paired_diff, marker=marker, ms=7, color="white", zorder=3)
-        ax.plot([], [], color=color, marker="o", label=config_label(method, sett, aware))
+        ax.plot([], [], color=color, marker="o", label=config_label(method, sett, aware, kv))
     _verdict_legend(ax)
-    ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
+    ax.set_xticks(range(len(budgets)), budgets)
     ax.set(
         xlabel="budget (KV entries per layer and KV head)",
         ylabel=f"compressed - full (points; bars: {confidence:.0%} CI)",
@@ -67,8 +69,9 @@ def forest(head: pd.DataFrame, title: str, path: Path, confidence: float = 0.95)
     _save(fig, path)
 
 
-def pareto(head: pd.DataFrame, title: str, path: Path, kv_dtype: str = "bfloat16") -> None:
-    """Headline score (on the paired problems) against KV bytes per sequence; non-inferior points filled."""
+def pareto(head: pd.DataFrame, title: str, path: Path, kv_dtype: str = "bfloat16", best=None) -> None:
+    """The frontier: headline score (on the paired problems) against KV bytes per sequence in each
+    configuration's storage; non-inferior points filled, the recommended one (`best`: its run) ringed."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
     if "kv_bytes_seq_full" in head and not head.kv_bytes_seq_full.isna().all():
         first = head.iloc[0]
@@ -80,11 +83,11 @@ def pareto(head: pd.DataFrame, title: str, path: Path, kv_dtype: str = "bfloat16
             xytext=(-8, -14),
             fontsize=8,
         )
-    for g, ((method, sett, aware), rows) in enumerate(
-        head.groupby(["method", "settings", "query_aware"], sort=True)
+    for g, ((method, sett, kv, aware), rows) in enumerate(
+        head.groupby(["method", "settings", "storage", "query_aware"], sort=True)
     ):
         color = f"C{g}"
-        ax.plot([], [], "o", color=color, label=config_label(method, sett, aware))
+        ax.plot([], [], "o", color=color, label=config_label(method, sett, aware, kv))
         for r in rows.itertuples():
             if pd.isna(getattr(r, "kv_bytes_seq", float("nan"))):
                 continue
@@ -98,8 +101,10 @@ def pareto(head: pd.DataFrame, title: str, path: Path, kv_dtype: str = "bfloat16
                 fillstyle=fill,
                 mec=color,
             )
+            if r.run == best:
+                ax.plot(r.kv_bytes_seq / 2**20, r.compressed, "o", ms=16, mfc="none", mec="black")
             ax.annotate(
-                str(int(r.budget)),
+                budget_label(r.budget),
                 (r.kv_bytes_seq / 2**20, r.compressed),
                 textcoords="offset points",
                 xytext=(5, 4),
@@ -111,7 +116,7 @@ def pareto(head: pd.DataFrame, title: str, path: Path, kv_dtype: str = "bfloat16
     ax.xaxis.set_minor_formatter(plain)
     ax.tick_params(axis="x", which="minor", labelsize=7)
     ax.set(
-        xlabel=f"KV cache per sequence (MiB in {kv_dtype}, modelled by evalkit.memory)",
+        xlabel=f"KV per sequence (MiB in its storage, {kv_dtype} unquantized; modelled by evalkit.memory)",
         ylabel=f"{head.metric.iloc[0]} (paired problems)",
         title=title,
     )
@@ -130,32 +135,34 @@ def length_plot(rep: Report, rows: pd.DataFrame, title: str, path: Path) -> bool
     runs = [(r, per) for r, per in runs if len(per.get("id", []))]
     if not runs:
         return False
-    configs = sorted({(r.method, r.settings, not r.query_aware) for r, _ in runs})
+    configs = sorted({(r.method, r.settings, r.storage, not r.query_aware) for r, _ in runs})
     fig, axes = plt.subplots(1, len(configs), figsize=(max(6.0, 5.2 * len(configs)), 5.0), squeeze=False)
     limits = [np.nanmax(per["limit"]) for _, per in runs if not np.isnan(per["limit"]).all()]
     limit = max(limits, default=None)
     top = max(float(np.max(np.r_[per["c_tokens"], per["f_tokens"]])) for _, per in runs)
     top = max(top, limit or 0) * 1.05
-    budgets = sorted({r.budget for r, _ in runs})  # one colour per budget in every panel
-    for ax, (method, sett, agnostic) in zip(axes[0], configs):
+    budgets = sorted({budget_label(r.budget) for r, _ in runs})  # one colour per budget in every panel
+    for ax, (method, sett, kv, agnostic) in zip(axes[0], configs):
         mine = [
             (r, per)
             for r, per in runs
-            if (r.method, r.settings, not r.query_aware) == (method, sett, agnostic)
+            if (r.method, r.settings, r.storage, not r.query_aware) == (method, sett, kv, agnostic)
         ]
-        mine.sort(key=lambda x: x[0].budget)
+        mine.sort(key=lambda x: budget_key(x[0].budget))
         ax.plot([0, top], [0, top], color="black", lw=0.8, label="no change")
         if limit:
             ax.axvline(limit, color="tab:red", ls="--", lw=1, label=f"token limit {limit:g}")
             ax.axhline(limit, color="tab:red", ls="--", lw=1)
         for r, per in mine:
             ax.scatter(
-                per["f_tokens"], per["c_tokens"], s=14, alpha=0.7, color=f"C{budgets.index(r.budget)}",
-                label=f"{int(r.budget)}: median x{r.length_ratio:.2f}",
+                per["f_tokens"], per["c_tokens"], s=14, alpha=0.7,
+                color=f"C{budgets.index(budget_label(r.budget))}",
+                label=f"{budget_label(r.budget)}: median x{r.length_ratio:.2f}",
             )  # fmt: skip
         ax.set(
             xlim=(0, top), ylim=(0, top), xlabel="full cache: output tokens per problem",
-            ylabel="compressed: output tokens per problem", title=config_label(method, sett, not agnostic),
+            ylabel="compressed: output tokens per problem",
+            title=config_label(method, sett, not agnostic, kv),
         )  # fmt: skip
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", title="budget", title_fontsize=8)
@@ -178,7 +185,9 @@ def write_plots(rep: Report, out: Path) -> dict:
             paths["forest"],
             rep.settings.stats.confidence,
         )
-        pareto(rows, f"{task} / {model} ({n} paired problems): {metric} vs KV memory", paths["pareto"], kv)
+        rec = next((r for r in rep.by_bytes if (r["model"], r["task"]) == (model, task)), {})
+        what = f"{task} / {model} ({n} paired problems): {metric} vs KV bytes\n(ringed: recommended)"
+        pareto(rows, what, paths["pareto"], kv, (rec.get("best") or {}).get("run"))
         lengths = out / f"lengths_{task}_{model}.png"
         what = f"{task} / {model}\noutput tokens per paired problem, compressed vs full"
         if length_plot(rep, rows, what, lengths):

@@ -55,9 +55,18 @@ class Run:
     def budget(self) -> int | None:
         return self.metrics.budget
 
+    @cached_property
+    def storage(self) -> str:
+        """The KV storage's name (metrics.json `storage.name`: none, fp8_e4m3, int4, ...); a run from before
+        the storage axis held the model dtype: `none`. A configuration is (method, budget, storage)."""
+        record = self.metrics.to_json().get("storage")  # a Metrics field or, before it is one, an extra
+        return str((record or {}).get("name") or "none") if isinstance(record, dict) else "none"
+
     @property
     def is_full(self) -> bool:
-        return self.method == "full"
+        """The reference every run is paired with: the full cache in the model dtype (a full cache held in
+        int4 is a compressed configuration like any other)."""
+        return self.method == "full" and self.storage == "none"
 
     @property
     def config(self) -> dict:
@@ -80,12 +89,23 @@ class Run:
         return self.config.get("query_aware", True) is not False
 
     @cached_property
-    def base_generation(self) -> str | None:
-        """The generation identity without `query_aware`: what a query-agnostic run shares with the full run
-        and with the query-aware run it is compared with (a full cache is the same either way)."""
-        if not self.config or "query_aware" not in self.config:
+    def generation(self) -> str | None:
+        """The generation identity without the KV storage (`kv`), which like the method is what is compared:
+        runs of one problem set in every storage share it (a leaderboard panel, a wide row's `generation`)."""
+        if not self.config or "kv" not in self.config:
             return self.identity["generation"]
-        config = {k: v for k, v in self.config.items() if k != "query_aware"}
+        config = {k: v for k, v in self.config.items() if k != "kv"}
+        m = self.metrics
+        return hashes(config, m.task_version, m.data_hash, m.scorer_version)["generation"]
+
+    @cached_property
+    def base_generation(self) -> str | None:
+        """The generation identity without `query_aware` and the KV storage (`kv`): what a query-agnostic or
+        quantized run shares with the full run and with the query-aware run it is compared with (a full cache
+        is the same either way; the storage, like the method, is what is compared)."""
+        if not self.config or not {"query_aware", "kv"} & set(self.config):
+            return self.identity["generation"]
+        config = {k: v for k, v in self.config.items() if k not in ("query_aware", "kv")}
         m = self.metrics
         return hashes(config, m.task_version, m.data_hash, m.scorer_version)["generation"]
 

@@ -7,7 +7,17 @@ import pandas as pd
 
 from evalkit.report import columns
 from evalkit.report.build import Report
-from evalkit.report.columns import SMALL, config_label, diff_ci, f_, markdown_table, mib
+from evalkit.report.columns import (
+    SMALL,
+    budget_key,
+    budget_label,
+    config_label,
+    diff_ci,
+    f_,
+    markdown_table,
+    mib,
+)
+from evalkit.report.frontier import EQUAL_BYTES, sentence
 from evalkit.report.lengths import MAX_LOOP_PERIOD, MIN_LOOP_REPEATS, MIN_LOOP_WORDS
 
 
@@ -69,7 +79,7 @@ def _blockers(r: dict) -> str:
 
 RECOMMEND = [  # per model: (header, cell of a recommendation)
     ("model", lambda r, hw: r["model"]),
-    ("cache", lambda r, hw: config_label(r["method"], r["settings"], r.get("query_aware"))),
+    ("cache", lambda r, hw: config_label(r["method"], r["settings"], r.get("query_aware"), r.get("storage"))),
     ("tasks", lambda r, hw: ", ".join(r["tasks"])),
     ("budget", lambda r, hw: r.get("budget") or "-"),
     ("status", lambda r, hw: r["status"] + _blockers(r.get("blockers") or {})),
@@ -86,7 +96,8 @@ def recommend_task_columns(hw: list[str]) -> list:
         [
             ("model", lambda r, _: r["model"]),
             ("task", lambda r, _: r["task"]),
-            ("cache", lambda r, _: config_label(r["method"], r["settings"], r.get("query_aware"))),
+            ("cache", lambda r, _: config_label(r["method"], r["settings"], r.get("query_aware"),
+                                                r.get("storage"))),
             ("budgets run", lambda r, _: ", ".join(map(str, r["budgets"]))),
             ("budget", lambda r, _: r.get("budget") or "-"),
             ("diff [CI]", lambda r, _: f"{f_(r['diff'])} [{f_(r['ci'][0])}, {f_(r['ci'][1])}]"
@@ -100,6 +111,23 @@ def recommend_task_columns(hw: list[str]) -> list:
     )  # fmt: skip
 
 
+def _best(key: str, what: str):
+    return lambda r, _: "-" if not r.get(key) else f"{r[key]['label']}: {mib(r[key][what])}"
+
+
+BY_BYTES = [  # per model and task: (header, cell of frontier.recommend_bytes' record)
+    ("model", lambda r, _: r["model"]),
+    ("task", lambda r, _: r["task"]),
+    ("configurations", lambda r, _: r["configs"]),
+    ("recommended: KV / sequence", _best("best", "kv_bytes_seq")),
+    ("its kind", lambda r, _: (r.get("best") or {}).get("kind", "-")),
+    ("saving", lambda r, _: f_((r.get("best") or {}).get("memory_saving"), "{:.1%}")),
+    ("diff [CI]", lambda r, _: diff_ci(r["best"]) if r.get("best") else "-"),
+    ("the other kind: KV / sequence", _best("other", "kv_bytes_seq")),
+    ("status", lambda r, _: r["status"]),
+]
+
+
 def _rows(spec: list, recs: list[dict], hw: list[str]) -> str:
     return markdown_table([h for h, _ in spec], [[cell(r, hw) for _, cell in spec] for r in recs])
 
@@ -109,6 +137,15 @@ def _recommendation(rep: Report) -> str:
     return "\n".join(
         [
             "## Recommendation",
+            "",
+            "Per model and task, the cheapest safe KV cache: the configuration (method, budget, KV storage) "
+            "with the fewest modelled KV bytes per sequence that is non-inferior to the full cache in the "
+            "model dtype and whose effective decode gain is above 1, whatever its kind, and beside it the "
+            "cheapest such one of the other kind (eviction: a method that drops entries, in any storage; "
+            "quantization: the full cache in a quantized storage). Every configuration is in the section's "
+            "frontier.",
+            "",
+            _rows(BY_BYTES, rep.by_bytes, hw),
             "",
             "Per model: the smallest budget non-inferior, with an effective decode gain above 1, on every "
             "task it was evaluated on.",
@@ -153,8 +190,9 @@ def _memory_table(rows: pd.DataFrame, hw: list[str]) -> str:
         f"Context: the full run's {first.context_basis}, {int(first.context_tokens)} tokens (prompt "
         f"{int(first.context_prompt_tokens)}{_prefilled(rows)}; full cache {int(first.kv_entries_full)} "
         "entries, "
-        f"{mib(first.kv_bytes_seq_full)} per sequence). **Modelled** (evalkit.memory, {kv_dtype} KV): "
-        "entries, KV / sequence, saving, and per hardware the max batch whose KV fits beside the weights and "
+        f"{mib(first.kv_bytes_seq_full)} per sequence). **Modelled** (evalkit.memory, {kv_dtype} KV; a "
+        "quantized storage's codes, scales and residual): entries, KV / sequence, saving, and per hardware "
+        "the max batch whose KV fits beside the weights and "
         "the decode tok/s gain at that batch: memory-bound upper bounds, not predictions of measured speed; "
         "the effective gain is that bound times full / compressed output tokens (measured on the paired "
         "problems: the tokens generated for the same work). "
@@ -177,11 +215,11 @@ def _breakdowns(cells: pd.DataFrame, min_problems: int) -> str:
     if sub.empty:
         return "No breakdown keys."
     recs = sub.to_dict("records")
-    key = lambda r: (r["method"], r["settings"], not r["query_aware"], int(r["budget"]))  # noqa: E731
+    key = lambda r: (r["method"], r["settings"], r["storage"], not r["query_aware"], budget_key(r["budget"]))  # noqa: E731
     cols = sorted({key(r) for r in recs})
     grid = {(r["metric"], key(r)): r for r in recs}
     return markdown_table(
-        ["key", "n"] + [f"{config_label(m, s, not a)} {b}" for m, s, a, b in cols],
+        ["key", "n"] + [f"{config_label(m, s, not a, kv)} {budget_label(b)}" for m, s, kv, a, b in cols],
         [
             [k, int(sub[sub.metric == k].n_paired.max())]
             + [diff_ci(grid[(k, c)], min_problems) if (k, c) in grid else "-" for c in cols]
@@ -209,8 +247,8 @@ def _length_table(rows: pd.DataFrame, hw: list[str], confidence: float) -> str:
         conf=confidence, words=MIN_LOOP_WORDS, period=MAX_LOOP_PERIOD, copies=MIN_LOOP_REPEATS
     )
     caveats = [
-        f"\n- {config_label(r['method'], r['settings'], r.get('query_aware'))} {int(r['budget'])}: "
-        + r["length_caveat"]
+        f"\n- {config_label(r['method'], r['settings'], r.get('query_aware'), r.get('storage'))} "
+        f"{budget_label(r['budget'])}: " + r["length_caveat"]
         for r in rows.to_dict("records")
         if isinstance(r.get("length_caveat"), str)
     ]
@@ -260,6 +298,7 @@ def _section(rep: Report, model: str, task: str, plots: dict) -> str:
         _length_table(head, rep.settings.hardware, rep.settings.stats.confidence),
         "",
         *_query_section(rep, model, task),
+        *_frontier_section(rep, model, task),
         "### Breakdowns (diff [CI] verdict)",
         "",
         _breakdowns(cells, rep.settings.stats.min_problems),
@@ -293,3 +332,61 @@ def markdown(rep: Report, plots: dict) -> str:
         for model, task in sorted(set(zip(rep.cells.model, rep.cells.task))):
             sections.append(_section(rep, model, task, plots))
     return "\n\n".join(sections + [READING]) + "\n"
+
+
+def _frontier_table(rows: pd.DataFrame, hw: list[str], min_problems: int) -> str:
+    head = ["configuration", "kind", "KV / sequence", "score", "diff [CI] verdict"]
+    head += [f"effective gain {h}" for h in hw] + ["qualifies"]
+    lines = []
+    for r in rows.to_dict("records"):
+        ref = r["kind"] == "full"
+        cells = [r["label"], r["kind"], mib(r["kv_bytes_seq"]), f_(r["compressed"], "{:.2f}")]
+        cells += ["(reference)" if ref else diff_ci(r, min_problems)]
+        cells += [f_(r.get(f"effective_gain_{h}"), "{:.2f}x") for h in hw]
+        lines.append(cells + ["" if ref else "✓" if r["qualifies"] else f"✗ {r['why']}"])
+    return markdown_table(head, lines)
+
+
+def _equal_table(rows: pd.DataFrame, min_problems: int) -> str:
+    head = ["cheaper", "KV / sequence", "dearer", "KV / sequence", "paired n", "diff [CI]", "p (test)"]
+    lines = [
+        [r["cheaper"], mib(r["cheaper_bytes"]), r["dearer"], mib(r["dearer_bytes"]), int(r["n_paired"]),
+         diff_ci(r, min_problems), f"{r['p_value']:.3g} ({r['test']})"]
+        for r in rows.to_dict("records")
+    ]  # fmt: skip
+    return markdown_table(head, lines) + _small_note(rows, min_problems)
+
+
+def _frontier_section(rep: Report, model: str, task: str) -> list[str]:
+    rows = rep.frontier.get((model, task))
+    if rows is None:
+        return []
+    st, hw = rep.settings.stats, rep.settings.hardware
+    rec = next((r for r in rep.by_bytes if (r["model"], r["task"]) == (model, task)), None)
+    out = [
+        "### Frontier: score against KV bytes",
+        "",
+        "Every configuration (method, budget, KV storage) by its **modelled** KV bytes per sequence in its "
+        "storage (codes, scales, zero points and full-precision residual counted), fewest first; the score "
+        "on the paired problems; qualifies = non-inferior to the full cache in the model dtype (paired per "
+        "problem) with an effective decode gain above 1. Recommended: "
+        + (sentence(rec) if rec and rec["best"] else f"none ({rec['status'] if rec else '-'})")
+        + ".",
+        "",
+        _frontier_table(rows, hw, st.min_problems),
+        "",
+    ]
+    eq = rep.equal
+    mine = eq[(eq.model == model) & (eq.task == task)] if len(eq) else eq
+    if len(mine):
+        out += [
+            "### Equal bytes",
+            "",
+            f"Configurations in different KV storages whose bytes match within {EQUAL_BYTES:.0%}, paired "
+            "per problem: diff = cheaper - dearer (points), the same statistics and verdict against the "
+            "margin as against the full cache.",
+            "",
+            _equal_table(mine, st.min_problems),
+            "",
+        ]
+    return out
