@@ -17,7 +17,7 @@ from evalkit.report import columns
 from evalkit.report.budget import bench_speedup, load_hardware, memory_row
 from evalkit.report.columns import budget_key, budget_label
 from evalkit.report.config import ReportConfigError, ReportSettings
-from evalkit.report.frontier import equal_bytes, frontier, recommend_bytes
+from evalkit.report.frontier import equal_bytes, frontier, gain_check, recommend_bytes
 from evalkit.report.pairing import Pairing, PairingError, pair, partner
 from evalkit.report.runs import Run, RunError, load_runs, unfinished
 
@@ -172,28 +172,6 @@ def _gains(row) -> dict:
         for k in row.index
         if k.startswith(("tok_s_gain_", "effective_gain_")) or k in ("memory_saving", "token_gain")
     }
-
-
-def gain_check(row) -> tuple[bool | None, str]:
-    """(effective gain above 1 on every hardware, why not): None when it could not be computed (no output
-    lengths recorded, or no memory model joined), and then the reason."""
-    hw = [k.removeprefix("effective_gain_") for k in row.index if k.startswith("effective_gain_")]
-    gains = {h: row[f"effective_gain_{h}"] for h in hw}
-    if not gains or any(v is None or pd.isna(v) for v in gains.values()):
-        why = "memory model not joined"
-        if pd.isna(row.get("token_gain")):
-            caveat = row.get("length_caveat")
-            why = caveat if isinstance(caveat, str) else "no output lengths recorded"
-        return None, f"effective gain not computed ({why})"
-    if all(v > 1 for v in gains.values()):
-        return True, ""
-    eff = ", ".join(f"{v:.2f}x on {h}" for h, v in gains.items())
-    tok = ", ".join(f"{row[f'tok_s_gain_{h}']:.2f}x" for h in hw)
-    what = "length inflation erases the gain" if row.token_gain < 1 else "the budget buys no decode gain"
-    return False, (
-        f"{budget_label(row.budget)}: {what} (effective gain {eff}: memory-bound gain {tok} x "
-        f"full/compressed tokens {row.token_gain:.2f})"
-    )
 
 
 def _budget(budget) -> int | str:

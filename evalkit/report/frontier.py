@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import pandas as pd
 
-from evalkit.report.columns import budget_key, config_label, mib
+from evalkit.report.columns import budget_key, budget_label, config_label, mib
 from evalkit.report.pairing import PairingError, pair
 from evalkit.report.runs import Run, RunError
 
@@ -38,12 +38,32 @@ def label(r) -> str:
     return config_label(name, "default", r.get("query_aware"), r.get("storage", "none"))
 
 
+def gain_check(row) -> tuple[bool | None, str]:
+    """(effective gain above 1 on every hardware, why not): None when it could not be computed (no output
+    lengths recorded, or no memory model joined), and then the reason."""
+    hw = [k.removeprefix("effective_gain_") for k in row.index if k.startswith("effective_gain_")]
+    gains = {h: row[f"effective_gain_{h}"] for h in hw}
+    if not gains or any(v is None or pd.isna(v) for v in gains.values()):
+        why = "memory model not joined"
+        if pd.isna(row.get("token_gain")):
+            caveat = row.get("length_caveat")
+            why = caveat if isinstance(caveat, str) else "no output lengths recorded"
+        return None, f"effective gain not computed ({why})"
+    if all(v > 1 for v in gains.values()):
+        return True, ""
+    eff = ", ".join(f"{v:.2f}x on {h}" for h, v in gains.items())
+    tok = ", ".join(f"{row[f'tok_s_gain_{h}']:.2f}x" for h in hw)
+    what = "length inflation erases the gain" if row.token_gain < 1 else "the budget buys no decode gain"
+    return False, (
+        f"{budget_label(row.budget)}: {what} (effective gain {eff}: memory-bound gain {tok} x "
+        f"full/compressed tokens {row.token_gain:.2f})"
+    )
+
+
 def frontier(head: pd.DataFrame) -> dict[tuple[str, str], pd.DataFrame]:
     """Per (model, task): every configuration's headline row by KV bytes per sequence (fewest first), with
     `kind`, `label`, `qualifies` (non-inferior and effective gain not at or below 1) and `why` not; the full
     cache in the model dtype as a last row (`kind` full)."""
-    from evalkit.report.build import gain_check  # build imports this module
-
     out = {}
     if head.empty or "kv_bytes_seq" not in head:
         return out
