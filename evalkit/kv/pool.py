@@ -26,11 +26,12 @@ from evalkit.kv.static import StaticKVCache, pin
 @dataclass(frozen=True)
 class Buckets:
     """The slot counts a pool's step attends over: `floor`, then `per_octave` evenly spaced sizes per doubling
-    (2: 256, 384, 512, 768, 1024, 1536, ...), the pool's capacity last. `per_octave=0`: always the whole
-    capacity (one shape per pool size). A compiled step compiles once per bucket it reaches."""
+    (4: 256, 320, 384, 448, 512, 640, ...; at most 25% more slots than filled), the pool's capacity last.
+    `per_octave=0`: always the whole capacity (one shape per pool size). A compiled step compiles once per
+    bucket it reaches; a run reaches the few between its shortest and its longest request."""
 
     floor: int = 256
-    per_octave: int = 2
+    per_octave: int = 4
 
     def __post_init__(self):
         if self.floor < 1 or self.per_octave < 0:

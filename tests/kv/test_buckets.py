@@ -19,7 +19,8 @@ NEW = 40
 
 
 def test_the_ladder_of_buckets():
-    b = Buckets()
+    assert Buckets() == Buckets(floor=256, per_octave=4) and Buckets().of(257, 10_000) == 320
+    b = Buckets(per_octave=2)
     assert [b.of(n, 10_000) for n in (1, 256, 257, 384, 385, 512, 513, 1000, 1025)] == [
         256, 256, 384, 384, 512, 512, 768, 1024, 1536
     ]  # fmt: skip
