@@ -428,10 +428,12 @@ class Engine:
         return {"logits_to_keep": 1} if self._keep else {}
 
     def rates(self) -> dict[str, str]:
-        """Prefill and decode tokens per second so far, apart: what the progress bar shows."""
+        """Prefill and decode tokens per second so far, apart, and the decode shapes (graphs, compiled): what
+        the progress bar shows."""
         return {
             "prefill_tok_s": f"{self.prefill_tokens / max(self.prefill_s, 1e-9):.0f}",
             "decode_tok_s": f"{self.decode_tokens / max(self.decode_s, 1e-9):.1f}",
+            "shapes": str(len(self.shapes)),
         }
 
     def idle_fraction(self) -> float:

@@ -141,7 +141,7 @@ def bucketed_full(
 
 def run(ctx: Context) -> list[dict]:
     lengths = ctx.size([1024], [2048, 4096, 8192, 16384])
-    max_new, n_steps, rounds = ctx.size(1024, 4096), ctx.size(12, 64), ctx.size(2, 4)
+    max_new, n_steps, rounds = ctx.size(1024, 8192), ctx.size(12, 64), ctx.size(2, 4)
     return [bucketed_full(ctx.model, prompt_ids(ctx.tokenizer, n), max_new, n_steps, rounds) for n in lengths]
 
 
@@ -211,3 +211,34 @@ def table(rows: list[dict]) -> list[dict]:
 MEASUREMENT = Measurement(
     "bucketed", "bucketed_full.csv", "The bucketed full cache (engine pool)", run, note, table
 )
+
+
+def main(argv=None) -> None:
+    """`python -m evalkit.bench.bucketed --lengths 16384 8192`: the full-size rows of some lengths, longest
+    first, the CSV and summary.md rewritten after each row (a loaded machine may not finish them all)."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    from evalkit.bench.__main__ import measurement, names
+    from evalkit.bench.base import write_csv
+    from evalkit.bench.summary import record_provenance, write_summary
+
+    ap = argparse.ArgumentParser(prog="python -m evalkit.bench.bucketed")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 8192, 4096, 2048])
+    ap.add_argument("--max-new", type=int, default=8192)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="results/bench")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ctx, rows = Context(quick=False, out=Path(args.out)), []
+    command = " ".join(["python -m evalkit.bench.bucketed", *(sys.argv[1:] if argv is None else argv)])
+    for n in args.lengths:
+        rows.append(bucketed_full(ctx.model, prompt_ids(ctx.tokenizer, n), args.max_new, 64, 4))
+        write_csv(ctx.out / MEASUREMENT.csv, sorted(rows, key=lambda r: r["prompt_tokens"]))
+        record_provenance(ctx.out, MEASUREMENT.name, command, False)
+        write_summary(ctx.out, [measurement(m) for m in names()], {MEASUREMENT.name}, command)
+
+
+if __name__ == "__main__":
+    main()
