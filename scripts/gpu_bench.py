@@ -8,7 +8,7 @@ vs SnapStream budgets, decode-time eviction (h2o, snapkv_decode; DeepSeek: h2o) 
 evalkit.bench.compiled) with the memory floor, and the bucketed full cache (the engine's slot pool sized for
 `--max-new` new tokens, attending over buckets of its filled slots, eager and compiled, against the dynamic
 cache and the pool attending over its whole capacity; evalkit.bench.bucketed).
-`python scripts/gpu_bench.py [--tokens 32768] [--device cuda] [--layers N] [--no-compile] [--max-new 4096]`;
+`python scripts/gpu_bench.py [--tokens 32768] [--device cuda] [--layers N] [--no-compile] [--max-new 8192]`;
 `--device cpu --tokens 1024 --layers 2 --small` is a CPU smoke run of the script itself.
 """
 
@@ -81,7 +81,7 @@ def run(
     device: str,
     compiled: bool,
     evict: int | None = None,
-    max_new: int = 4096,
+    max_new: int = 8192,
 ) -> dict:
     """evalkit.bench's interleaved prefill and decode measurements on random token ids; eager vs compiled
     decode of SnapStream (the first budget) and the full cache. `evict`: the decode-time eviction rows' budget
@@ -116,7 +116,7 @@ def main():
     ap.add_argument("--steps", type=int, default=64, help="decode steps per configuration (at least 8)")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="skip the eager vs compiled decode")
-    ap.add_argument("--max-new", type=int, default=4096, help="the bucketed full cache's answer allowance")
+    ap.add_argument("--max-new", type=int, default=8192, help="the bucketed full cache's answer allowance")
     ap.add_argument("--out", default="results/bench")
     args = ap.parse_args()
     if args.steps < 8:

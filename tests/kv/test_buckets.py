@@ -33,11 +33,12 @@ def test_the_ladder_of_buckets():
 
 
 @pytest.mark.parametrize("sample", [False, True])
-def test_bucketed_full_cache_equals_the_dynamic_full_cache(sample):
+@pytest.mark.parametrize("arch", ["llama", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+def test_bucketed_full_cache_equals_the_dynamic_full_cache(arch, sample):
     """Rows that cross several buckets while they decode (prompts 20..200, 40 new tokens), one row at a time
     and three at once with refills: every request's tokens are `model.generate`'s with the dynamic full cache,
     and the steps really attended over fewer slots than the pool holds."""
-    model = tiny_model("llama", seed=3)
+    model = tiny_model(arch, seed=3)
     ids = prompts()
     want = [alone(model, x, Full(), sample, 100 + i, new=NEW) for i, x in enumerate(ids)]
     for rows in (1, 3):
