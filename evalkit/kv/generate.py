@@ -138,8 +138,8 @@ def _padded(tokens: list[list[int]], pad: int, input_ids: torch.Tensor) -> torch
 def batch_stats(done: list, engine) -> dict:
     """Tokens seen, kept and evicted and bytes held, totals over the rows, per layer and per row (`rows`), as
     each row stood when it ended. `slots`: the most slots a row held (= budget for ring methods);
-    `reserved_bytes`: the engine's whole slot pool; `shapes`: the (rows, slots, visible) shapes its decode step
-    ran in (the graphs a compiled step compiled: one per bucket reached)."""
+    `reserved_bytes`: the engine's whole slot pool; `shapes`: the (rows, slots, visible) shapes its decode
+    step ran in (the graphs a compiled step compiled: one per bucket reached)."""
     rows = [
         {
             "seen": d.stats["kv_seen"],
