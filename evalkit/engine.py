@@ -44,7 +44,7 @@ from transformers.generation.logits_process import (
 
 from evalkit.kv.cache import KVCache
 from evalkit.kv.layout import slots_needed
-from evalkit.kv.pool import SlotPool
+from evalkit.kv.pool import BUCKETS, Buckets, SlotPool
 from evalkit.kv.prefill import shared_prefill
 from evalkit.kv.static import compile_config
 from evalkit.team import Team
@@ -94,8 +94,10 @@ class _Row:
 
 class Engine:
     """Decode many conversations through one pool of `rows` rows. `continuous=False` is static batching (a
-    batch is refilled only when all its rows are done), kept for comparison. `compile=True` compiles the
-    decode step once per (rows, slots) shape (`evalkit.kv.static.compile_config`). Under tensor parallelism
+    batch is refilled only when all its rows are done), kept for comparison. A step attends over the pool's
+    filled slots rounded up to one of `buckets` (`evalkit.kv.pool.Buckets`); `compile=True` compiles the
+    decode step once per (rows, slots, bucket) shape (`evalkit.kv.static.compile_config`), counted in
+    `shapes`. Under tensor parallelism
     every rank of `team`'s TP group runs the same conversations and takes its root's decisions (logits,
     replicated kept sets)."""
 
@@ -108,8 +110,11 @@ class Engine:
         continuous: bool = True,
         compile=False,
         team: Team | None = None,
+        buckets: Buckets = BUCKETS,
     ):
         self.model, self.tokenizer, self.eos = model, tokenizer, set(eos_ids)
+        self.buckets = buckets
+        self.shapes: set[tuple[int, int, int]] = set()  # (rows, slots, visible) the decode step ran in
         self.team = team or Team.single()
         self.cache_agree = self.team.cache_agree(model)  # kept indices -> the TP group's (MLA)
         self.n_rows, self.continuous = rows, continuous
@@ -122,6 +127,9 @@ class Engine:
             if not isinstance(compile, CompileConfig):
                 cfg = compile_config(model, backend="inductor" if compile is True else compile)
             self.step_fn = model.get_compiled_call(cfg)
+            # one graph per (rows, slots, bucket): dynamo's default of 8 per code object would silently fall
+            # back to eager after the 8th (a run rarely reaches more than a few buckets; room for regrowths)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.pool: SlotPool | None = None
         self.capacity = 1
         self.steps = 0
@@ -206,7 +214,7 @@ class Engine:
                             continue
                         token = row.forced.popleft()  # a later turn always feeds its question first
                 if self.pool is None:
-                    self.pool = SlotPool.shaped_like(cache, self.n_rows, self.capacity)
+                    self.pool = SlotPool.shaped_like(cache, self.n_rows, self.capacity, self.buckets)
                 elif self.pool.capacity < self.capacity:  # by half again at least: few regrowths, recompiles
                     self.pool.grow(max(self.capacity, self.pool.capacity * 3 // 2))
                 self.pool.load_row(r, cache)
@@ -216,6 +224,7 @@ class Engine:
         """One decode step of every row: a token each, the finished turns handed out."""
         start = time.perf_counter()
         positions = self.pool.rows.next_pos.clone()[:, None]  # (rows, 1) this token's position per row
+        self.shapes.add((self.n_rows, self.pool.capacity, self.pool.visible))
         out = self.step_fn(
             input_ids=last[:, None],
             position_ids=positions,
@@ -419,10 +428,12 @@ class Engine:
         return {"logits_to_keep": 1} if self._keep else {}
 
     def rates(self) -> dict[str, str]:
-        """Prefill and decode tokens per second so far, apart: what the progress bar shows."""
+        """Prefill and decode tokens per second so far, apart, and the decode shapes (graphs, compiled): what
+        the progress bar shows."""
         return {
             "prefill_tok_s": f"{self.prefill_tokens / max(self.prefill_s, 1e-9):.0f}",
             "decode_tok_s": f"{self.decode_tokens / max(self.decode_s, 1e-9):.1f}",
+            "shapes": str(len(self.shapes)),
         }
 
     def idle_fraction(self) -> float:

@@ -5,8 +5,10 @@ widths): prefill time with transformers' DynamicCache vs SnapStream, then decode
 vs SnapStream budgets, decode-time eviction (h2o, snapkv_decode; DeepSeek: h2o) beside SnapStream at budget
 1024 with its per-step scoring cost (evalkit.bench.eviction), then eager vs compiled decode
 (`compile: true`: the static cache through torch.compile, CUDA graphs via mode="reduce-overhead";
-evalkit.bench.compiled) with the memory floor.
-`python scripts/gpu_bench.py [--tokens 32768] [--device cuda] [--layers N] [--no-compile]`;
+evalkit.bench.compiled) with the memory floor, and the bucketed full cache (the engine's slot pool sized for
+`--max-new` new tokens, attending over buckets of its filled slots, eager and compiled, against the dynamic
+cache and the pool attending over its whole capacity; evalkit.bench.bucketed).
+`python scripts/gpu_bench.py [--tokens 32768] [--device cuda] [--layers N] [--no-compile] [--max-new 8192]`;
 `--device cpu --tokens 1024 --layers 2 --small` is a CPU smoke run of the script itself.
 """
 
@@ -18,6 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from evalkit.bench import decode_speed, prefill_overhead
+from evalkit.bench.bucketed import bucketed_full
 from evalkit.bench.compiled import ALL_MODES, compiled_decode
 from evalkit.bench.eviction import eviction_speed
 from evalkit.kv import Full, SnapStream, attach
@@ -71,7 +74,14 @@ def build(cfg: dict, layers: int | None, device: str, small: bool):
 
 @torch.inference_mode()
 def run(
-    model, tokens: int, budgets, steps: int, device: str, compiled: bool, evict: int | None = None
+    model,
+    tokens: int,
+    budgets,
+    steps: int,
+    device: str,
+    compiled: bool,
+    evict: int | None = None,
+    max_new: int = 8192,
 ) -> dict:
     """evalkit.bench's interleaved prefill and decode measurements on random token ids; eager vs compiled
     decode of SnapStream (the first budget) and the full cache. `evict`: the decode-time eviction rows' budget
@@ -92,6 +102,7 @@ def run(
     if compiled:
         methods = [SnapStream(budget=budgets[0]), Full()]
         res["compiled_decode"] = compiled_decode(model, ids, methods, steps, rounds=4, modes=ALL_MODES)
+        res["bucketed_full"] = [bucketed_full(model, ids, max_new, steps, rounds=4)]
     if device.startswith("cuda"):
         res["peak_gpu_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return res
@@ -105,6 +116,7 @@ def main():
     ap.add_argument("--steps", type=int, default=64, help="decode steps per configuration (at least 8)")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="skip the eager vs compiled decode")
+    ap.add_argument("--max-new", type=int, default=8192, help="the bucketed full cache's answer allowance")
     ap.add_argument("--out", default="results/bench")
     args = ap.parse_args()
     if args.steps < 8:
@@ -118,7 +130,14 @@ def main():
     ):
         model = build(cfg, layers, args.device, args.small)
         report[name] = run(
-            model, args.tokens, budgets, args.steps, args.device, not args.no_compile, evict=budgets[1]
+            model,
+            args.tokens,
+            budgets,
+            args.steps,
+            args.device,
+            not args.no_compile,
+            evict=budgets[1],
+            max_new=args.max_new,
         )
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_bench.json").write_text(json.dumps(report, indent=2))  # after each model: nothing lost

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import evalkit.bench.__main__ as cli
-from evalkit.bench import compiled, decode_speed, grading, roofline
+from evalkit.bench import bucketed, compiled, decode_speed, grading, roofline
 from evalkit.bench.base import Measurement, read_csv, write_csv
 from evalkit.bench.fixed_kv import fixed_kv, predictions, replicated
 from evalkit.bench.summary import record_provenance, write_summary
@@ -287,7 +287,9 @@ def test_gpu_bench_script_runs_on_the_bench_functions(model, monkeypatch):
     monkeypatch.setattr(
         gpu_bench, "compiled_decode", functools.partial(compiled.compiled_decode, backend="eager")
     )
-    res = gpu_bench.run(model, 128, [64], 8, "cpu", compiled=True)
+    eager_backend = functools.partial(bucketed.bucketed_full, backend="eager")
+    monkeypatch.setattr(gpu_bench, "bucketed_full", eager_backend)
+    res = gpu_bench.run(model, 128, [64], 8, "cpu", compiled=True, max_new=300)
     assert [r["config"] for r in res["decode"]] == ["full", "snapstream_64"]
     assert all(r["step_pct_of_floor"] > 0 for r in res["decode"])
     assert [r["config"] for r in res["prefill"]] == ["dynamic_cache", "evalkit_full", "snapstream_1024"]
@@ -300,6 +302,10 @@ def test_gpu_bench_script_runs_on_the_bench_functions(model, monkeypatch):
         "tova_decode_64",
         "expected_attention_ring_64",
     ]
+    # the bucketed full cache: a pool of 428 slots attending over the 256-slot bucket, every mode's tokens
+    (row,) = res["bucketed_full"]
+    assert (row["capacity"], row["visible"], row["tokens_equal"]) == (428, 256, True)
+    assert row["graphs"] == 2 and row["bucketed_tok_s"] > 0  # the whole pool's graph and the bucket's
 
 
 def test_compile_bench_script_writes_every_mode_of_each_method(tmp_path, monkeypatch, capsys):

@@ -22,6 +22,7 @@ MEASUREMENTS = {
     "continuous": "continuous",
     "sweep": "sweep",
     "compiled": "compiled",
+    "bucketed": "bucketed",  # the full cache in the engine's pool, attending over buckets (issue 35)
     "grading": "grading",
     "eviction": "eviction",
     "serving": "serving",  # `make serve`'s engine under concurrent HTTP clients on 127.0.0.1

@@ -138,7 +138,8 @@ def _padded(tokens: list[list[int]], pad: int, input_ids: torch.Tensor) -> torch
 def batch_stats(done: list, engine) -> dict:
     """Tokens seen, kept and evicted and bytes held, totals over the rows, per layer and per row (`rows`), as
     each row stood when it ended. `slots`: the most slots a row held (= budget for ring methods);
-    `reserved_bytes`: the engine's whole slot pool."""
+    `reserved_bytes`: the engine's whole slot pool; `shapes`: the (rows, slots, visible) shapes its decode
+    step ran in (the graphs a compiled step compiled: one per bucket reached)."""
     rows = [
         {
             "seen": d.stats["kv_seen"],
@@ -164,6 +165,7 @@ def batch_stats(done: list, engine) -> dict:
         **total,
         "slots": max(r["slots"] for r in rows),
         "reserved_bytes": reserved,
+        "shapes": sorted(engine.shapes),
         "per_layer": per_layer,
         "rows": rows,
     }

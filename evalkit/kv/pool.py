@@ -5,15 +5,60 @@ keeps its own method, budget, ring and positions (`StaticKVCache`'s per-row stat
 budgets decode side by side, and buffer addresses never change, so a compiled (CUDA-graph) step keeps running
 as rows are refilled. The rows' method's evictor (`evalkit.kv.evict`) keeps its own per-row state beside them
 (one evictor kind per pool). Used by `evalkit.engine`.
+
+With `Buckets` (the engine's), a step attends over the filled slots rounded up to a bucket (`visible`), not
+the whole capacity: a full cache sized for prompt + max_new_tokens reads what it holds, and a compiled step is
+one graph per bucket. The host knows a bound on every row's filled slots without a sync (slots after load +
+steps since, at most what the row needs), moved on by `decoded`, the engine's hook after each step.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from evalkit.kv.cache import KVCache
 from evalkit.kv.layout import Rows, slots_needed
 from evalkit.kv.static import StaticKVCache, pin
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The slot counts a pool's step attends over: `floor`, then `per_octave` evenly spaced sizes per doubling
+    (4: 256, 320, 384, 448, 512, 640, ...; at most 25% more slots than filled), the pool's capacity last.
+    `per_octave=0`: always the whole capacity (one shape per pool size). A compiled step compiles once per
+    bucket it reaches; a run reaches the few between its shortest and its longest request."""
+
+    floor: int = 256
+    per_octave: int = 4
+
+    def __post_init__(self):
+        if self.floor < 1 or self.per_octave < 0:
+            raise ValueError(f"buckets need floor >= 1 and per_octave >= 0, got {self}")
+
+    def of(self, filled: int, capacity: int) -> int:
+        """The smallest bucket holding `filled` slots (at most `capacity`)."""
+        if self.per_octave == 0 or filled >= capacity:
+            return capacity
+        if filled <= self.floor:
+            return min(self.floor, capacity)
+        octave = 1 << ((filled - 1).bit_length() - 1)  # the largest power of two below filled
+        step = max(octave // self.per_octave, 1)
+        return min(-(-filled // step) * step, capacity)
+
+    def count(self, capacity: int) -> int:
+        """How many buckets a pool of `capacity` slots has: the most graphs its compiled step needs."""
+        sizes, n = set(), 1
+        while True:
+            sizes.add(self.of(n, capacity))
+            if n >= capacity:
+                return len(sizes)
+            n = self.of(n, capacity) + 1
+
+
+WHOLE = Buckets(per_octave=0)  # attend over every slot (a pool driven without `decoded`)
+BUCKETS = Buckets()  # the engine's default
 
 
 class SlotPool(StaticKVCache):
@@ -23,10 +68,13 @@ class SlotPool(StaticKVCache):
     pooled = True
 
     @classmethod
-    def shaped_like(cls, like: KVCache, batch: int, capacity: int) -> SlotPool:
+    def shaped_like(cls, like: KVCache, batch: int, capacity: int, buckets: Buckets = WHOLE) -> SlotPool:
         """An empty pool shaped like the prefilled one-row cache `like` (layers, heads, head dims, dtype,
-        device)."""
+        device); its steps attend over `buckets` of the filled slots (then `decoded` must follow each
+        step)."""
         pool = cls(like.method, len(like.layers), like.attn_name, max_new_tokens=1, agree=like.agree)
+        # per row: slots that may hold an entry (a host bound, no sync), and the most it ever needs
+        pool.buckets, pool.reach, pool.need, pool.visible = buckets, [1] * batch, [1] * batch, capacity
         dev = like.rows.valid.device
         rows = Rows(
             lengths=[0] * batch,
@@ -82,6 +130,8 @@ class SlotPool(StaticKVCache):
         state.slots[r] = n
         state.next_slot[r] = n
         self.evictor.load_row(self, r, src)
+        self.reach[r], self.need[r] = n, need
+        self._plan()
 
     def idle_row(self, r: int) -> None:
         """Row r holds no request: a ring of one slot at 0 (valid, so its softmax stays finite), never
@@ -92,6 +142,8 @@ class SlotPool(StaticKVCache):
         self.rows.tail[r], state.sink[r], state.ring[r], state.slots[r] = 1, 0, True, 1
         self.rows.next_pos[r] = 0  # its positions never reach another row's rotary scaling (dynamic RoPE)
         self.evictor.idle_row(self, r)
+        self.reach[r] = self.need[r] = 1
+        self._plan()
 
     def keep_slots(self, layer, r: int, keep: torch.Tensor) -> None:
         """Row r of `layer` keeps, per KV head, the slots keep (H, n), moved in that order into its first n
@@ -117,6 +169,31 @@ class SlotPool(StaticKVCache):
         self.used = capacity
         pin(self.rows.valid)
         self.evictor.grow(self, capacity)
+        self._plan()
+
+    # --- the visible slots (buckets) ------------------------------------------------------------------------
+    def _plan(self) -> None:
+        """The next step's visible slots: every row's next write lands below min(reach + 1, need) (an append
+        row's next free slot, a ring's or a full evicting row's slot below its budget). An evictor that reads
+        every slot's attention (h2o's sums, shaped by capacity) sees them all."""
+        reach = max(min(r + 1, n) for r, n in zip(self.reach, self.need))
+        whole = self.evictor.observes
+        self.visible = self.capacity if whole else self.buckets.of(reach, self.capacity)
+
+    def decoded(self, active: list[int]) -> None:
+        """After each step: every row may hold one slot more (up to what it needs)."""
+        super().decoded(active)
+        self.reach = [min(r + 1, n) for r, n in zip(self.reach, self.need)]
+        self._plan()
+
+    def write(self, layer, k: torch.Tensor, v: torch.Tensor):
+        """The static cache's write; attention reads the first `visible` slots (views: no copy)."""
+        keys, values = super().write(layer, k, v)
+        return keys[:, :, : self.visible], values[:, :, : self.visible]
+
+    def decode_mask(self) -> torch.Tensor:
+        """(B, 1, 1, visible): the valid-slot mask over the slots attention reads."""
+        return self.rows.valid[:, None, None, : self.visible]
 
     def _in_use(self) -> int:
         """Every slot of every row (rows of append methods fill theirs at their own pace)."""

@@ -44,6 +44,8 @@ def prompts() -> list[list[int]]:
 # order); DeepSeek-V3's grouped expert matmul takes no float64, so it runs float32 and records the smallest
 # top-2 logit margin of every greedy step (the tests require it far above float32 reduction noise)
 DTYPE = {"llama": "float64", "deepseek_v3": "float32"}
+# small buckets: the pool's rows cross a bucket while they decode (41..52 and 58..69 filled slots)
+BUCKETS = dict(floor=16, per_octave=4)
 
 
 def observe(arch: str, methods: dict = METHODS, team=None) -> dict:
@@ -54,6 +56,7 @@ def observe(arch: str, methods: dict = METHODS, team=None) -> dict:
     from evalkit.engine import Engine
     from evalkit.kv import KVCache
     from evalkit.kv.config import make_method
+    from evalkit.kv.pool import Buckets
     from evalkit.loading import load_model
     from evalkit.models import ModelSpec
     from evalkit.team import Team
@@ -74,7 +77,7 @@ def observe(arch: str, methods: dict = METHODS, team=None) -> dict:
             kept.append([cache.positions(i)[0].tolist() for i in range(len(cache.layers))])
         tokens, margin = {}, float("inf")
         for mode, gen in SAMPLING.items():
-            engine = Engine(model, tokenizer, eos_ids=[], rows=2, team=team)
+            engine = Engine(model, tokenizer, eos_ids=[], rows=2, team=team, buckets=Buckets(**BUCKETS))
             reqs = [
                 ask(str(i), ids, 12, method, GenerationConfig(**gen), seed=100 + i, keep_logits=True)
                 for i, ids in enumerate(prompts())
