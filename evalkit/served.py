@@ -77,6 +77,7 @@ class ServedSpec(ModelSpec):
     timeout_s: int = 1800
     extra_body: dict = field(default_factory=dict)
     dtype: str | None = None  # what the server computes in is its own business
+    reference_for: str | None = None  # an in-process model conf this full run is the report's reference of
 
     def check(self, needs: RunNeeds) -> None:
         """Refuse what a server cannot run and a bad served conf before any data or request (ConfigError
@@ -120,7 +121,22 @@ class ServedSpec(ModelSpec):
                 "model.tokenizer: name the served model's tokenizer and config (a model conf such as "
                 "llama31_8b_instruct, a local folder or a hub id): prompts are rendered and counted with it"
             )
+        self._check_reference()
         self._resolve_files()
+
+    def _check_reference(self) -> None:
+        """`reference_for` names an in-process model conf (the report pairs its compressed runs with this
+        full run, docs/served.md)."""
+        from evalkit.config import CONF_DIR, model_spec
+
+        if self.reference_for is None:
+            return
+        name = self.reference_for
+        if not (CONF_DIR / "model" / f"{name}.yaml").exists() or isinstance(model_spec(name), ServedSpec):
+            raise ConfigError(
+                f"model.reference_for must name an in-process model conf (conf/model/<name>.yaml, e.g. "
+                f"llama31_8b_instruct), got {name!r}"
+            )
 
     def _resolve_files(self) -> None:
         from evalkit.config import CONF_DIR, model_spec
