@@ -192,7 +192,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("full_run", "the `full` run it is paired with", "label", REPORT,
            value=_paired(lambda p: p.full.rel)),
     Column("reference", "where that full run ran: `in process`, or `served: <model> at <url> (<server>)`, a "
-           "served reference (`model.reference_for`)", "label", BOTH, value=_paired(lambda p: p.reference or "in process")),
+           "served reference (`model.reference_for`)", "label", BOTH,
+           value=_paired(lambda p: p.reference or "in process")),
     # --- the score of a metric key ---
     Column("headline", "True on the row of the task's headline metric (the first row of each run)", "score",
            LONG),

@@ -108,12 +108,12 @@ def check_reference_prompts(comp: Run, ref: Run, c_rows: dict, f_rows: dict, ids
         for g in f_rows[s].get("generation") or []
         if isinstance(g, dict)
     )
-    return (
-        [f"{ref.rel}: the server counted other prompt tokens than evalkit for {counted} requests (special tokens "
-         "it adds: see docs/served.md)"]
-        if counted
-        else []
-    )  # fmt: skip
+    if not counted:
+        return []
+    return [
+        f"{ref.rel}: the server counted other prompt tokens than evalkit for {counted} requests (special "
+        "tokens it adds: see docs/served.md)"
+    ]
 
 
 def describe(ref: Run) -> str:

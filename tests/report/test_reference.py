@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from evalkit.report import settings
 from evalkit.report.build import build, pair_all
 from evalkit.report.runs import load_runs
@@ -33,7 +31,8 @@ def rows(n: int = 30, prompt_tokens: int = 100) -> list[dict]:
 
 
 def served_run(root: Path, rows: list[dict], reference_for: str | None = "smollm2_135m", **kw) -> Path:
-    """A served full run (metrics.json `served`, model conf `served`'s keys) standing in for `reference_for`."""
+    """A served full run (metrics.json `served`, model conf `served`'s keys) standing in for
+    `reference_for`."""
     folder = write_run(root, rows, model="vllm_smol", method="full", budget=None, **kw)
     path = folder / "metrics.json"
     m = json.loads(path.read_text())
