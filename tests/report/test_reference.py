@@ -92,7 +92,8 @@ def test_a_missing_prompt_hash_or_another_token_count_refuses_too(tmp_path):
     write_run(tmp_path, rows(), budget=256)
     (problem,) = pairings(tmp_path)[1]
     assert (
-        "2 of 30 shared problems differ: s3 (prompt hash h-s3 in process, None served); s5 (prompt tokens [100] in process, [101] served)"
+        "2 of 30 shared problems differ: s3 (prompt hash h-s3 in process, None served); "
+        "s5 (prompt tokens [100] in process, [101] served)"
         in problem
     )
 
