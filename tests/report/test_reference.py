@@ -93,8 +93,7 @@ def test_a_missing_prompt_hash_or_another_token_count_refuses_too(tmp_path):
     (problem,) = pairings(tmp_path)[1]
     assert (
         "2 of 30 shared problems differ: s3 (prompt hash h-s3 in process, None served); "
-        "s5 (prompt tokens [100] in process, [101] served)"
-        in problem
+        "s5 (prompt tokens [100] in process, [101] served)" in problem
     )
 
 
