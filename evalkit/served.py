@@ -40,6 +40,7 @@ from omegaconf import OmegaConf
 
 from evalkit.config import ConfigError
 from evalkit.journal import journal_record, journaled, keyed
+from evalkit.kv.methods import Full
 from evalkit.models import ModelSpec
 from evalkit.request import (
     Prompt,
@@ -53,7 +54,8 @@ from evalkit.request import (
     stop_strings,
 )
 from evalkit.sample import TEMPLATE_KEY
-from evalkit.server import ServedError, pin_server, provenance, server_report
+from evalkit.served_kv import agree, card, kv_stats, storage_name
+from evalkit.server import ServedError, listed, pin_server, provenance, server_report
 from evalkit.sources import tokenizer_path
 
 if TYPE_CHECKING:
@@ -88,11 +90,6 @@ class ServedSpec(ModelSpec):
                 f"multi_question=true: model {self.name} is served (a served cache is not held between "
                 "requests): run it in process"
             )
-        if needs.method != "full":
-            raise ConfigError(
-                "a served model keeps the server's own full cache: use method=full (got "
-                f"method={needs.method})"
-            )
         if needs.processes > 1:
             raise ConfigError(
                 f"model {self.name} is served at {self.base_url}: its server does the parallel work; run it "
@@ -103,6 +100,12 @@ class ServedSpec(ModelSpec):
             raise ConfigError(
                 f"model.base_url must be the server's http(s) OpenAI root (e.g. "
                 f"http://127.0.0.1:8000/v1), got {self.base_url!r}"
+            )
+        if needs.method != "full" and not any(card(m) for m in listed(self)):
+            raise ConfigError(
+                "a served model keeps the server's own full cache: use method=full (got "
+                f"method={needs.method}), or point model.base_url at an evalkit server (`make serve`): it "
+                "serves a compressed cache and says which in its /v1/models"
             )
         if self.api not in APIS:
             raise ConfigError(f"model.api must be one of {', '.join(APIS)}, got {self.api!r}")
@@ -167,9 +170,7 @@ class ServedSpec(ModelSpec):
         from evalkit.task import get_tokenizer
 
         (p,) = plans
-        return served_lm(
-            self, get_tokenizer(tokenizer_path(self)), context, p.journal, p.out, seed=p.cfg.seed
-        )
+        return served_lm(self, get_tokenizer(tokenizer_path(self)), context, p)
 
     def source_label(self) -> str:
         """The weights are the server's, only its tokenizer is here."""
@@ -232,6 +233,7 @@ class _Served:
             seed=seed,
         )
         self.spec, self.prompt_tokenizer, self.context, self.journal = spec, tokenizer, context, journal
+        self.method, self.extra = Full(), {}  # the run's method; what each request adds (served_kv.agree)
         self._failed: list[str] = []
         # servers answer with the id asked for, or with the weights' path (vLLM's `root`)
         self._names = {report["model"]["id"], report["model"].get("root")} - {None}
@@ -278,7 +280,7 @@ class _Served:
                     text, second = await self._call(
                         session, followup_prompt(p, first, self.prompt_tokenizer, self._cap)
                     )
-                    stats.update(followup=second, first_output=first, followup_method="full")
+                    stats.update(followup=second, first_output=first, followup_method=self.method.name)
             except _Final as e:
                 self._failed.append(f"{p.key}: {e}")
                 return [None]
@@ -312,6 +314,10 @@ class _Served:
         if not isinstance(out, str):
             raise _Final(f"the answer holds no text: {body[:300]!r}")
         self._check_model(choice, body)
+        try:
+            kv = kv_stats(usage, self.method)
+        except ValueError as e:
+            raise _Final(str(e)) from None
         until = stop_strings(p)
         tokens = _count(usage.get("completion_tokens"))
         if tokens is None:  # the server reports no usage: count the text with the tokenizer
@@ -328,6 +334,7 @@ class _Served:
             "wall_s": latency,
             "tokens_per_s": tokens / max(latency, 1e-9),
             "api": self.spec.api,
+            **kv,  # an evalkit server's measured KV figures of this request
         }
 
     def _payload(self, p: Prompt, text: str) -> dict:
@@ -353,7 +360,7 @@ class _Served:
         )
         if not payload.get("stop"):
             payload.pop("stop", None)  # no stop strings: the server stops at its EOS, as evalkit does
-        return {**payload, **self.spec.extra_body}
+        return {**payload, **self.spec.extra_body, **self.extra}
 
     def _choice(self, body: str) -> tuple[dict, dict]:
         try:
@@ -422,9 +429,13 @@ class ServedChat(_Served, LocalChatCompletion):
         return (choice.get("message") or {}).get("content")
 
 
-def served_lm(spec: ServedSpec, tokenizer, context: int, journal, out: Path, seed: int = 0):
-    """The lm-eval model for a served run, after the server was checked and pinned to the run folder."""
+def served_lm(spec: ServedSpec, tokenizer, context: int, plan):
+    """The lm-eval model for a served run, after the server was checked (an evalkit server serves the run's
+    method, budget and storage: evalkit.served_kv) and pinned to the run folder."""
     report = server_report(spec, context)
-    pin_server(out, report)
+    extra = agree(report, plan.method, plan.cfg.method, storage_name(plan.cfg))
+    pin_server(plan.out, report)
     cls = ServedChat if spec.api == "chat" else ServedCompletions
-    return cls(spec, tokenizer, context, journal, report, seed=seed)
+    lm = cls(spec, tokenizer, context, plan.journal, report, seed=plan.cfg.seed)
+    lm.method, lm.extra = plan.method, extra
+    return lm
