@@ -7,7 +7,9 @@ tokenizer, requests go through lm-eval's `local-completions` / `local-chat-compl
 `num_concurrent` requests in flight, its retries), and every finished generation is journaled in the same
 record format as `EvalkitLM`'s (evalkit.request and evalkit.journal hold what both share), so resume, scoring,
 `metrics.json` and the leaderboard are the in-process ones. The server keeps its own full cache: the method is
-`full`, budget none, and no KV figure is measured (null in metrics.json, never 0).
+`full`, budget none, and no KV figure is measured (null in metrics.json, never 0); evalkit's own server
+(`make serve`) may serve a compressed cache, whose method, budget and KV figures it reports
+(evalkit.served_kv).
 
 - completions: the request's prompt is `evalkit.request.sample_prompt(...)`, byte for byte what the in-process
   model is given (chat template and assistant prefill rendered here). A server may still add special tokens
@@ -164,8 +166,8 @@ class ServedSpec(ModelSpec):
 
     # --- ModelBackend: generation by the server -------------------------------------------------------------
     def make_lm(self, plans: list, context: int, load, team=None):
-        """The served LM for the one plan (method full), after the server was checked and pinned to its
-        folder; nothing is loaded here (`load` is not called): prompts are rendered with the tokenizer
+        """The served LM for the one plan (the server's method), after the server was checked and pinned to
+        its folder; nothing is loaded here (`load` is not called): prompts are rendered with the tokenizer
         alone. One process only (`Team.check_model`)."""
         from evalkit.task import get_tokenizer
 
