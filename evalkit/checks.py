@@ -144,7 +144,8 @@ def has_followup(cfg: DictConfig, module) -> bool:
 
 def check_backend(cfg: DictConfig, spec, method_name: str, processes: int = 1) -> None:
     """What the model backend cannot do with this run, refused by the backend itself (a served model: method
-    full, one process, one question per request; a model conf's own single-turn template: no next turn)."""
+    full unless evalkit's own server serves another, one process, one question per request; a model conf's
+    own single-turn template: no next turn)."""
     spec.check(
         RunNeeds(
             method=method_name,

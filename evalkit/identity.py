@@ -32,6 +32,7 @@ NOT_GENERATION = (
     "model.num_concurrent",
     "model.max_retries",
     "model.timeout_s",
+    "model.reference_for",  # which in-process model a served full run is the reference of (the report's)
     "parallel",  # the process layout: outputs are equal under any layout (CPU, float64/float32 tests)
 )
 
@@ -158,7 +159,7 @@ def budget_tag(method_cfg: DictConfig, defaults: DictConfig) -> str:
 # (NOT_GENERATION holds the same grading/serving keys); the run settings that change what is
 # generated (batch_size and compile leave outputs equal, results_dir is where).
 NAMING_KEYS = {"name", "module", "lm_eval_task", "setup", "headline"}
-SERVING_KEYS = {"base_url", "num_concurrent", "max_retries", "timeout_s"}
+SERVING_KEYS = {"base_url", "num_concurrent", "max_retries", "timeout_s", "reference_for"}
 RUN_KEYS = ("limit", "seed", "query_aware", "multi_question")
 _SAFE = re.compile(r"[A-Za-z0-9_.+]+")
 

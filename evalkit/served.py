@@ -7,7 +7,9 @@ tokenizer, requests go through lm-eval's `local-completions` / `local-chat-compl
 `num_concurrent` requests in flight, its retries), and every finished generation is journaled in the same
 record format as `EvalkitLM`'s (evalkit.request and evalkit.journal hold what both share), so resume, scoring,
 `metrics.json` and the leaderboard are the in-process ones. The server keeps its own full cache: the method is
-`full`, budget none, and no KV figure is measured (null in metrics.json, never 0).
+`full`, budget none, and no KV figure is measured (null in metrics.json, never 0); evalkit's own server
+(`make serve`) may serve a compressed cache, whose method, budget and KV figures it reports
+(evalkit.served_kv).
 
 - completions: the request's prompt is `evalkit.request.sample_prompt(...)`, byte for byte what the in-process
   model is given (chat template and assistant prefill rendered here). A server may still add special tokens
@@ -40,6 +42,7 @@ from omegaconf import OmegaConf
 
 from evalkit.config import ConfigError
 from evalkit.journal import journal_record, journaled, keyed
+from evalkit.kv.methods import Full
 from evalkit.models import ModelSpec
 from evalkit.request import (
     Prompt,
@@ -53,7 +56,8 @@ from evalkit.request import (
     stop_strings,
 )
 from evalkit.sample import TEMPLATE_KEY
-from evalkit.server import ServedError, pin_server, provenance, server_report
+from evalkit.served_kv import agree, card, kv_stats, storage_name
+from evalkit.server import ServedError, listed, pin_server, provenance, server_report
 from evalkit.sources import tokenizer_path
 
 if TYPE_CHECKING:
@@ -77,6 +81,7 @@ class ServedSpec(ModelSpec):
     timeout_s: int = 1800
     extra_body: dict = field(default_factory=dict)
     dtype: str | None = None  # what the server computes in is its own business
+    reference_for: str | None = None  # an in-process model conf this full run is the report's reference of
 
     def check(self, needs: RunNeeds) -> None:
         """Refuse what a server cannot run and a bad served conf before any data or request (ConfigError
@@ -86,11 +91,6 @@ class ServedSpec(ModelSpec):
             raise ConfigError(
                 f"multi_question=true: model {self.name} is served (a served cache is not held between "
                 "requests): run it in process"
-            )
-        if needs.method != "full":
-            raise ConfigError(
-                "a served model keeps the server's own full cache: use method=full (got "
-                f"method={needs.method})"
             )
         if needs.processes > 1:
             raise ConfigError(
@@ -102,6 +102,12 @@ class ServedSpec(ModelSpec):
             raise ConfigError(
                 f"model.base_url must be the server's http(s) OpenAI root (e.g. "
                 f"http://127.0.0.1:8000/v1), got {self.base_url!r}"
+            )
+        if needs.method != "full" and not any(card(m) for m in listed(self)):
+            raise ConfigError(
+                "a served model keeps the server's own full cache: use method=full (got "
+                f"method={needs.method}), or point model.base_url at an evalkit server (`make serve`): it "
+                "serves a compressed cache and says which in its /v1/models"
             )
         if self.api not in APIS:
             raise ConfigError(f"model.api must be one of {', '.join(APIS)}, got {self.api!r}")
@@ -120,7 +126,22 @@ class ServedSpec(ModelSpec):
                 "model.tokenizer: name the served model's tokenizer and config (a model conf such as "
                 "llama31_8b_instruct, a local folder or a hub id): prompts are rendered and counted with it"
             )
+        self._check_reference()
         self._resolve_files()
+
+    def _check_reference(self) -> None:
+        """`reference_for` names an in-process model conf (the report pairs its compressed runs with this
+        full run, docs/served.md)."""
+        from evalkit.config import CONF_DIR, model_spec
+
+        if self.reference_for is None:
+            return
+        name = self.reference_for
+        if not (CONF_DIR / "model" / f"{name}.yaml").exists() or isinstance(model_spec(name), ServedSpec):
+            raise ConfigError(
+                f"model.reference_for must name an in-process model conf (conf/model/<name>.yaml, e.g. "
+                f"llama31_8b_instruct), got {name!r}"
+            )
 
     def _resolve_files(self) -> None:
         from evalkit.config import CONF_DIR, model_spec
@@ -145,15 +166,13 @@ class ServedSpec(ModelSpec):
 
     # --- ModelBackend: generation by the server -------------------------------------------------------------
     def make_lm(self, plans: list, context: int, load, team=None):
-        """The served LM for the one plan (method full), after the server was checked and pinned to its
-        folder; nothing is loaded here (`load` is not called): prompts are rendered with the tokenizer
+        """The served LM for the one plan (the server's method), after the server was checked and pinned to
+        its folder; nothing is loaded here (`load` is not called): prompts are rendered with the tokenizer
         alone. One process only (`Team.check_model`)."""
         from evalkit.task import get_tokenizer
 
         (p,) = plans
-        return served_lm(
-            self, get_tokenizer(tokenizer_path(self)), context, p.journal, p.out, seed=p.cfg.seed
-        )
+        return served_lm(self, get_tokenizer(tokenizer_path(self)), context, p)
 
     def source_label(self) -> str:
         """The weights are the server's, only its tokenizer is here."""
@@ -216,6 +235,7 @@ class _Served:
             seed=seed,
         )
         self.spec, self.prompt_tokenizer, self.context, self.journal = spec, tokenizer, context, journal
+        self.method, self.extra = Full(), {}  # the run's method; what each request adds (served_kv.agree)
         self._failed: list[str] = []
         # servers answer with the id asked for, or with the weights' path (vLLM's `root`)
         self._names = {report["model"]["id"], report["model"].get("root")} - {None}
@@ -262,7 +282,7 @@ class _Served:
                     text, second = await self._call(
                         session, followup_prompt(p, first, self.prompt_tokenizer, self._cap)
                     )
-                    stats.update(followup=second, first_output=first, followup_method="full")
+                    stats.update(followup=second, first_output=first, followup_method=self.method.name)
             except _Final as e:
                 self._failed.append(f"{p.key}: {e}")
                 return [None]
@@ -296,6 +316,10 @@ class _Served:
         if not isinstance(out, str):
             raise _Final(f"the answer holds no text: {body[:300]!r}")
         self._check_model(choice, body)
+        try:
+            kv = kv_stats(usage, self.method)
+        except ValueError as e:
+            raise _Final(str(e)) from None
         until = stop_strings(p)
         tokens = _count(usage.get("completion_tokens"))
         if tokens is None:  # the server reports no usage: count the text with the tokenizer
@@ -312,6 +336,7 @@ class _Served:
             "wall_s": latency,
             "tokens_per_s": tokens / max(latency, 1e-9),
             "api": self.spec.api,
+            **kv,  # an evalkit server's measured KV figures of this request
         }
 
     def _payload(self, p: Prompt, text: str) -> dict:
@@ -337,7 +362,7 @@ class _Served:
         )
         if not payload.get("stop"):
             payload.pop("stop", None)  # no stop strings: the server stops at its EOS, as evalkit does
-        return {**payload, **self.spec.extra_body}
+        return {**payload, **self.spec.extra_body, **self.extra}
 
     def _choice(self, body: str) -> tuple[dict, dict]:
         try:
@@ -406,9 +431,13 @@ class ServedChat(_Served, LocalChatCompletion):
         return (choice.get("message") or {}).get("content")
 
 
-def served_lm(spec: ServedSpec, tokenizer, context: int, journal, out: Path, seed: int = 0):
-    """The lm-eval model for a served run, after the server was checked and pinned to the run folder."""
+def served_lm(spec: ServedSpec, tokenizer, context: int, plan):
+    """The lm-eval model for a served run, after the server was checked (an evalkit server serves the run's
+    method, budget and storage: evalkit.served_kv) and pinned to the run folder."""
     report = server_report(spec, context)
-    pin_server(out, report)
+    extra = agree(report, plan.method, plan.cfg.method, storage_name(plan.cfg))
+    pin_server(plan.out, report)
     cls = ServedChat if spec.api == "chat" else ServedCompletions
-    return cls(spec, tokenizer, context, journal, report, seed=seed)
+    lm = cls(spec, tokenizer, context, plan.journal, report, seed=plan.cfg.seed)
+    lm.method, lm.extra = plan.method, extra
+    return lm

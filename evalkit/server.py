@@ -18,6 +18,7 @@ from evalkit.results import write_json
 from evalkit.sources import ModelLoadError
 
 IDENTITY = ("id", "root", "parent", "owned_by", "max_model_len")
+SERVES = ("method", "budget", "kv_storage", "source")  # an evalkit server's configuration (evalkit.serve)
 
 
 class Endpoint(Protocol):
@@ -66,6 +67,13 @@ def server_report(spec: Endpoint, context: int) -> dict:
     }
 
 
+def listed(spec: Endpoint) -> list[dict]:
+    """The server's /models entries; [] when it is unreachable or answers no model list."""
+    models = _get(spec, f"{spec.root}/models")[0]
+    data = models.get("data") if isinstance(models, dict) else None
+    return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+
+
 def identity(report: dict) -> dict:
     """The part of a report that must not change while a run is generating: the model and the server build."""
     return {
@@ -73,6 +81,11 @@ def identity(report: dict) -> dict:
         "server_header": report.get("server_header"),
         "version": report.get("version"),
         "info": report.get("info"),
+        **(
+            {"evalkit": {k: block.get(k) for k in SERVES}}
+            if isinstance(block := report["model"].get("evalkit"), dict)
+            else {}
+        ),
     }
 
 

@@ -109,7 +109,11 @@ class KVLayer(CacheLayerMixin):
                 self.cache.rope,
                 hint,
             )
-            scores = group_mean(method.score(view), h)
+            raw = method.score(view)  # (B, H_attn, T)
+            record = self.cache.record
+            if record is not None and record.usable and method.records_score:  # replayed as the hint
+                record.hints[self.layer_idx] = raw
+            scores = group_mean(raw, h)
         if self.cache.has_topk:
             ranked = scores.masked_fill(~rows.candidates[:, None], float("-inf"))  # an evictor keeps from all
             place_topk(pos, ranked, rows, method.blocks(), self.cache.agree)

@@ -60,6 +60,9 @@ class KVMethod:
     # What callers read of any method; a method that has one declares it as a setting (a dataclass field).
     budget: ClassVar[int | None] = None  # KV entries kept per layer and KV head; None: uncompressed
     window: ClassVar[int] = 0  # observation window (last prompt queries) a shared prefill must keep
+    # True: `score` is budget-free and reads more queries than a window (h2o's sum over every prompt query): a
+    # shared prefill records the score per entry (`PrefillRecord.hints`), not the queries, and replays it
+    records_score: ClassVar[bool] = False
     spare_slots: ClassVar[str] = "ring"  # what a ring's slots beyond the prompt hold ("pad": the spec's)
     # Its decode in a static cache and the slot pool (`evalkit.kv.evict`): `Evictor` chooses nothing (the ring
     # or append); a decode-time method names its own (h2o: `H2OEvictor`, snapkv_decode: `RefitEvictor`).
@@ -233,7 +236,9 @@ class H2O(KVMethod):
     name: ClassVar[str] = "h2o"
     ring: ClassVar[bool] = True
     evictor: ClassVar[type[Evictor]] = H2OEvictor
-    window: ClassVar[int] = 1 << 30  # the prefill scores with every prompt query: a shared prefill keeps all
+    # its prefill score sums attention over every prompt query, whatever the budget: a shared prefill keeps
+    # that sum per entry (B, H, T) float32, not the prompt's queries (B, H_q, T, D)
+    records_score: ClassVar[bool] = True
 
     def __post_init__(self):
         _check_budget(self.name, self.budget)
@@ -255,7 +260,10 @@ class H2O(KVMethod):
 
     def score(self, view):
         """Attention each prompt position receives, summed over every prompt query (not restricted to
-        `candidates`: the kept recent entries carry their sums into decode)."""
+        `candidates`: the kept recent entries carry their sums into decode); a replayed prefill's are the
+        recording prefill's sums (`view.hint`)."""
+        if view.hint is not None:
+            return view.hint
         return select.accumulated_attention(view.query, view.keys, view.pad, view.scaling)
 
 

@@ -3,8 +3,9 @@ it.
 
 A budget sweep of one method runs the same prompts B times, and the prefill (full attention over the whole
 prompt) is identical in every run: only the compression after it and the decode differ. So the first run
-records, per layer, the full K/V and the last `window` post-RoPE queries, plus the
-prefill's last-position logits; the other budgets' caches are compressed from that record by the same code
+records, per layer, the full K/V and the last `window` post-RoPE queries (a method whose score is
+budget-free and reads every query, h2o, records that score per entry instead), plus the prefill's
+last-position logits; the other budgets' caches are compressed from that record by the same code
 path (`KVLayer.compress`) while the model's prefill forward is skipped. Decoding then proceeds as usual, so
 results are identical to separate runs by construction (tests/kv/test_shared_prefill.py checks it).
 """
@@ -32,8 +33,15 @@ class PrefillRecord:
     mask: torch.Tensor | None = None  # the prefill attention mask (None: no padding)
     logits: torch.Tensor | None = None  # (B, 1, V) last-position logits of the prefill forward
     usable: bool = True
-    # idx -> (B, H_kv, T) scores a pass before compression computed (KVzip's reconstruction), budget-free
+    # idx -> (B, H, T) budget-free scores per prompt entry: a pass before compression computed them (KVzip's
+    # reconstruction), or the recording prefill's own (h2o's attention sums, `KVMethod.records_score`)
     hints: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        """Bytes the record holds (K/V, kept queries, hints, logits): what a budget list keeps per prompt."""
+        tensors = [t for keys, values, queries, _ in self.layers.values() for t in (keys, values, queries)]
+        tensors += [*self.hints.values(), *([self.logits] if self.logits is not None else [])]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def add(self, layer_idx, keys, values, query, attn_keys, attention_mask, scaling) -> None:
         if attn_keys is not keys or not self.usable:
@@ -56,6 +64,11 @@ def populate(cache, record: PrefillRecord) -> None:
         )
     for idx, layer in enumerate(cache.layers):
         keys, values, queries, scaling = record.layers[idx]
+        if cache.method.records_score and idx not in record.hints and queries.shape[2] < keys.shape[2]:
+            raise ValueError(
+                f"{cache.method.name} scores the prompt with every query: replay a record of its own prefill "
+                "(which keeps that score) or one that kept every query"
+            )
         layer.lazy_initialization(keys, values)
         layer.pending = (keys, values)
         layer.compress(queries, keys, record.mask, scaling, hint=record.hints.get(idx))

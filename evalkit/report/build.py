@@ -18,7 +18,8 @@ from evalkit.report.budget import bench_speedup, load_hardware, memory_row
 from evalkit.report.columns import budget_key, budget_label
 from evalkit.report.config import ReportConfigError, ReportSettings
 from evalkit.report.frontier import equal_bytes, frontier, gain_check, recommend_bytes
-from evalkit.report.pairing import Pairing, PairingError, pair, partner
+from evalkit.report.pairing import Pairing, PairingError, pair
+from evalkit.report.reference import find_partner, pair_any, reference_target
 from evalkit.report.runs import Run, RunError, load_runs, unfinished
 
 # one configuration, apart from its budget; another KV storage or query-agnostic runs (`query_aware: false`)
@@ -86,28 +87,33 @@ def _cell_rows(p: Pairing, memory: dict, hardware: list[str]) -> list[dict]:
 def pair_all(runs: list[Run], settings: ReportSettings) -> tuple[list[Pairing], list[str]]:
     """Every compressed run paired with its full run; problems say which could not be and why."""
     fulls: dict[tuple, list[Run]] = defaultdict(list)
+    refs: dict[tuple, list[Run]] = defaultdict(list)  # served references, by the model they stand in for
     for r in runs:
         if r.is_full:
             fulls[(r.model, r.task)].append(r)
+            if target := reference_target(r):
+                refs[(target, r.task)].append(r)
     pairings, problems, read = [], [], {}
     for r in runs:
         if r.is_full:
             continue
         try:
-            full = partner(r, fulls[(r.model, r.task)])
+            full = find_partner(r, fulls[(r.model, r.task)], refs[(r.model, r.task)])
             if full.rel not in read:
                 read[full.rel] = full.samples()
-            pairings.append(pair(r, full, settings, read[full.rel]))
+            pairings.append(pair_any(r, full, settings, read[full.rel]))
         except (PairingError, RunError) as e:
             problems.append(str(e))
     return pairings, problems
 
 
 def memory_of(p: Pairing, hardware, settings: ReportSettings, problems: list[str], full_rows: dict) -> dict:
+    # a served reference measured no lengths of its cache: the compressed run's are the full cache's
+    full = p.compressed if p.reference else p.full
     try:
-        if p.full.rel not in full_rows:
-            full_rows[p.full.rel] = p.full.samples()  # read once per full run: its request lengths
-        row = memory_row(p.compressed, p.full, hardware, settings.deploy, full_rows[p.full.rel], p.requests)
+        if full.rel not in full_rows:
+            full_rows[full.rel] = full.samples()  # read once per full run: its request lengths
+        row = memory_row(p.compressed, full, hardware, settings.deploy, full_rows[full.rel], p.requests)
     except (MemoryReportError, RunError, KeyError, TypeError) as e:
         problems.append(f"{p.compressed.rel}: memory model not joined ({type(e).__name__}: {e})")
         return {}
@@ -341,7 +347,10 @@ def missing_cells(runs: list[Run], settings: ReportSettings) -> list[str]:
             budgets = [None] if method == "full" else settings.expect.get("budgets", [])
             configs |= {(method, "default", "none", True, b) for b in budgets if method != "full"}
         for task in tasks:
-            if not any(r.task == task and r.is_full for r in mine):
+            if not any(
+                r.task == task and (r.is_full and r.model == model or reference_target(r) == model)
+                for r in runs
+            ):
                 out.append(f"{task}/{model}/full: missing (no full run: nothing on this task can be paired)")
             for method, sett, kv, aware, budget in sorted(
                 configs, key=lambda c: (c[0], c[1], c[2] != "none", c[2], not c[3], c[4] or 0)

@@ -10,11 +10,9 @@ A column is one `Column` in COLUMNS. Where it lands follows from the entry alone
   table), "budget" (what the budget buys), "lengths" (length and failure), "query" (query-agnostic vs
   query-aware); a table lists its columns in COLUMNS' order;
 - the CSVs order columns by `group` (ORDER), then by COLUMNS' order.
-Figures come from stats.compare (a cell per metric key), lengths.length_stats, budget.memory_row and the
-run's metrics.json; a column with `value` is computed here, from the run and its pairing (None for a full or
-unpaired run), so a new figure is one entry. Per-hardware columns (`per_hw`) carry `{hw}` in name and
-headers, one per configured hardware.
-"""
+Figures come from stats.compare, lengths.length_stats, budget.memory_row and metrics.json; a column with
+`value` is computed here from the run and its pairing, so a new figure is one entry. `per_hw` columns carry
+`{hw}` in name and headers, one per configured hardware."""
 
 from __future__ import annotations
 
@@ -195,6 +193,9 @@ COLUMNS: tuple[Column, ...] = (
     Column("run", "the run folder under `<results_dir>/runs`", "label", BOTH, value=lambda run, p: run.rel),
     Column("full_run", "the `full` run it is paired with", "label", REPORT,
            value=_paired(lambda p: p.full.rel)),
+    Column("reference", "where that full run ran: `in process`, or `served: <model> at <url> (<server>)`, a "
+           "served reference (`model.reference_for`)", "label", BOTH,
+           value=_paired(lambda p: p.reference or "in process")),
     # --- the score of a metric key ---
     Column("headline", "True on the row of the task's headline metric (the first row of each run)", "score",
            LONG),

@@ -135,6 +135,7 @@ class Pairing:
     gains: dict = field(default_factory=dict)  # tok_s_gain_<hw> and effective_gain_<hw>, once joined
     # budget.cache_lengths of the compressed run: (prefill, prompt, seen) per (sample id, repeat)
     requests: dict = field(default_factory=dict)
+    reference: str | None = None  # a served full-cache reference: who served it (evalkit.report.reference)
 
 
 def wanted(key: str, headline: str, extras: list[str]) -> bool:
@@ -193,16 +194,17 @@ def check_prompts(comp: Run, full: Run, c_rows: dict, f_rows: dict, ids: list[st
     return [f"{comp.rel}: {unchecked} samples without a prompt hash (not checked)"] if unchecked else []
 
 
-def pair(comp: Run, full: Run, settings, full_rows: dict | None = None) -> Pairing:
+def pair(comp: Run, full: Run, settings, full_rows: dict | None = None, prompts=None) -> Pairing:
     """Pair two runs sample by sample and compute every cell (headline, breakdowns, configured extras).
-    `full_rows`: the full run's samples when already read (one full run serves every budget)."""
+    `full_rows`: the full run's samples when already read (one full run serves every budget); `prompts`: the
+    prompt check (check_prompts; a served reference's is stricter)."""
     c_rows = comp.samples()  # RunError for an empty or unreadable side
     f_rows = full.samples() if full_rows is None else full_rows
     ids = sorted(set(c_rows) & set(f_rows))
     if not ids:
         raise PairingError(f"{comp.rel} cannot be paired with {full.rel}: no sample id in common")
     p = Pairing(comp, full, sorted(set(c_rows) - set(f_rows)), sorted(set(f_rows) - set(c_rows)))
-    p.notes += check_prompts(comp, full, c_rows, f_rows, ids)
+    p.notes += (prompts or check_prompts)(comp, full, c_rows, f_rows, ids)
     if why := limit_mismatch(c_rows, f_rows, ids):  # a ratio of lengths under two caps is no measurement
         raise PairingError(f"{comp.rel} cannot be paired with {full.rel}: {why}")
     if comp.identity["source"] != "recorded" or full.identity["source"] != "recorded":

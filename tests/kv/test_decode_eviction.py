@@ -306,8 +306,8 @@ def test_defaults():
 
 
 def test_h2o_budgets_share_one_prefill():
-    """A budget sweep records one prefill (every query kept: h2o's window) and replays it into the other
-    budgets' caches: the same kept entries and accumulated scores as a prefill of their own."""
+    """A budget sweep records one prefill (h2o's summed attention per entry, not its queries) and replays it
+    into the other budgets' caches: the same kept entries and accumulated scores as a prefill of their own."""
     from evalkit.kv import KVCache
     from evalkit.kv.prefill import PrefillRecord, populate
 
@@ -325,6 +325,39 @@ def test_h2o_budgets_share_one_prefill():
         assert torch.equal(got.pos, want.pos)
     for got, want in zip(replayed.evictor.acc, alone.evictor.acc, strict=True):  # the evictor keeps the sums
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_an_h2o_record_keeps_the_summed_attention_not_the_queries():
+    """A budget list's record for h2o holds its prefill score per entry (B, H_kv, T) float32 and the default
+    32 queries, not every prompt query: its bytes per prompt token are the K/V's plus 4 per KV head and
+    layer (issue 35.3). A record of another method that kept too few queries cannot replay h2o."""
+    from evalkit.kv import KVCache
+    from evalkit.kv.methods import Full
+    from evalkit.kv.prefill import PrefillRecord, populate
+
+    model = sharp_model("llama", seed=4)
+    t = 120
+    ids = prompts((t,))[0][None]
+    record = PrefillRecord(window=max(32, H2O.window))  # conversation.py's rule
+    with torch.inference_mode():
+        model(ids, cache=KVCache.for_model(H2O(budget=40), model, record=record))
+    cfg = model.config
+    layers, h_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
+    d = cfg.hidden_size // cfg.num_attention_heads
+    for i in range(layers):
+        keys, values, queries, _ = record.layers[i]
+        assert queries.shape[2] == 32 and record.hints[i].shape == (1, h_kv, t)
+        assert record.hints[i].dtype == torch.float32
+    kv = layers * h_kv * d * 2 * 4  # K and V, float32, per prompt token
+    queries = layers * cfg.num_attention_heads * d * 4
+    per_token = (record.nbytes() - 32 * queries) / t
+    print(f"h2o record: {per_token:.0f} B per prompt token (K/V {kv}, every query {queries}, now kept: 32)")
+    assert per_token == kv + layers * h_kv * 4  # was kv + queries per token
+    short = PrefillRecord(window=32)
+    with torch.inference_mode():
+        model(ids, cache=KVCache.for_model(Full(), model, record=short))
+        with pytest.raises(ValueError, match="h2o scores the prompt with every query"):
+            populate(KVCache.for_model(H2O(budget=40), model, replay=short), short)
 
 
 @pytest.mark.gpu

@@ -275,6 +275,8 @@ def test_a_run_never_mixes_two_servers(fake, tmp_path):
         (["model.api=grpc"], "model.api must be one of"),
         (["model.num_concurrent=0"], "model.num_concurrent must be a positive integer"),
         (["model.tokenizer=null"], "model.tokenizer: name the served model's tokenizer"),
+        (["model.reference_for=nope"], "model.reference_for must name an in-process model conf"),
+        (["model.reference_for=served"], "model.reference_for must name an in-process model conf"),
     ],
 )
 def test_bad_served_settings_are_refused_before_any_data(overrides, message, tmp_path):
@@ -478,3 +480,17 @@ def test_a_server_answering_as_another_model_mid_run_is_stopped(fake, tmp_path):
     with pytest.raises(ServedError, match="answered as model 'other-model', not 'fake-model'"):
         run(*args, results=tmp_path)
     assert len(Journal(folder(tmp_path) / "generations.jsonl").records) == 1  # only the true model's answer
+
+
+def test_reference_for_is_recorded_and_changes_neither_folder_nor_identity(fake, tmp_path):
+    """A served run opted in as the reference of an in-process model (the report pairs on it): its config
+    records `reference_for`, its folder and generation identity are those of the same run without it."""
+    plain = run(*served(fake.url, *AIME, "task.load.n=2"), results=tmp_path / "a")[0]
+    ref = run(
+        *served(fake.url, *AIME, "task.load.n=2", "model.reference_for=smollm2_135m"), results=tmp_path / "b"
+    )[0]
+    assert ref["provenance"]["config"]["model"]["reference_for"] == "smollm2_135m"
+    assert ref["identity"]["generation"] == plain["identity"]["generation"]
+    assert folder(tmp_path / "b").relative_to(tmp_path / "b") == folder(tmp_path / "a").relative_to(
+        tmp_path / "a"
+    )
