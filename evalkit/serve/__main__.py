@@ -64,8 +64,8 @@ def _num(v) -> bool:
 
 
 def checked(cfg: DictConfig):
-    """(settings, model spec, context): every refusal before the model loads."""
-    from evalkit.checks import check_methods, run_facts
+    """(settings, model spec, context, ranks): every refusal before the model loads."""
+    from evalkit.checks import check_methods, check_tp, run_facts
     from evalkit.kv.config import make_method
     from evalkit.sources import context_length, model_config, resolve_source
     from evalkit.team import Ranks
@@ -74,28 +74,33 @@ def checked(cfg: DictConfig):
     method = make_method(cfg.method)
     if cfg.model.get("base_url"):
         raise ConfigError(f"model {cfg.model.name} is served elsewhere already: serve a model evalkit loads")
-    if Ranks.from_config(cfg).world > 1:
+    ranks = Ranks.from_config(cfg)
+    if ranks.dp > 1:
         raise ConfigError(
-            "serving runs one process for now (tensor-parallel serving is issue 34's next step)"
+            f"parallel.dp_size={ranks.dp}: a server is one replica (rank 0 serves HTTP, the other ranks are "
+            "its tensor-parallel shards); start one server per replica instead"
         )
     spec = model_spec(cfg.model)
     model_cfg = model_config(spec, resolve_source(spec))
     context = context_length(spec, model_cfg)
     if method.budget is not None and method.budget > context:
         raise ConfigError(f"method.budget={method.budget} is above {spec.name}'s context of {context} tokens")
+    check_tp(spec.name, model_cfg, ranks.tp)
     # what the method cannot run with (MLA, compile under TP); a served request makes no follow-up call
-    check_methods([method], run_facts(spec.name, model_cfg, cfg.compile, followup=False))
-    return settings, spec, context
+    check_methods([method], run_facts(spec.name, model_cfg, cfg.compile, followup=False, tp=ranks.tp))
+    return settings, spec, context, ranks
 
 
-def service(cfg: DictConfig):
-    """(Service, Settings): the checks, then the model loaded and the engine behind the service."""
+def service(cfg: DictConfig, team, settings: Settings, spec, context: int):
+    """The model loaded (this rank's shard under TP) and rank 0's engine behind the service, or, on another
+    TP rank, the `Follower` that mirrors it."""
     from evalkit.loading import load_model
-    from evalkit.serve.live import engine_service
+    from evalkit.serve.live import Follower, engine_service
 
-    settings, spec, context = checked(cfg)
-    model, tokenizer = load_model(spec)
-    svc = engine_service(
+    model, tokenizer = load_model(spec, team)
+    if not team.writer:
+        return Follower(model, tokenizer, settings.rows, team, compile=cfg.compile)
+    return engine_service(
         model,
         tokenizer,
         spec.name,
@@ -106,8 +111,8 @@ def service(cfg: DictConfig):
         context=context,
         compile=cfg.compile,
         source=spec.source_label(),
+        team=team,
     )
-    return svc, settings
 
 
 def uvicorn_server(app, svc, settings: Settings):
@@ -160,8 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     from hydra.errors import HydraException
 
     from evalkit.serve.app import make_app
+    from evalkit.serve.live import Follower
+    from evalkit.team import Team
 
     overrides = sys.argv[1:] if argv is None else argv
+    team = Team.single()
     try:
         for group, _, name in (o.partition("=") for o in overrides):
             if group in ("model", "method", "task"):
@@ -171,10 +179,28 @@ def main(argv: list[str] | None = None) -> None:
             cfg = compose("serve", overrides)
         except HydraException as e:  # what Hydra refuses otherwise (a malformed override)
             raise ConfigError(str(e).splitlines()[0]) from None
-        svc, settings = service(cfg)
+        settings, spec, context, ranks = checked(cfg)
+        team = Team.start(ranks)
+        svc = service(cfg, team, settings, spec, context)
     except EvalkitError as e:
-        exit_with(PROGRAM, e)
+        exit_with(PROGRAM + team.rank_tag(), e)
+    if isinstance(svc, Follower):
+        follow(svc)
+        return
     uvicorn_server(make_app(svc), svc, settings).run()
+    if team.world > 1:  # the followers return with the engine loop's last poll; then all leave together
+        svc.backend.join()
+        if not svc.backend.inbox.failed:
+            team.leave()
+
+
+def follow(follower) -> None:
+    """A TP follower: the drain is rank 0's to decide (torchrun signals every rank; this one keeps stepping
+    until rank 0's engine loop closes), then it leaves the process group with rank 0."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    follower.run()
+    follower.team.leave()
 
 
 if __name__ == "__main__":

@@ -164,11 +164,12 @@ class Inbox:
         return not self._waiting and not self._running
 
     # --- the engine side ----------------------------------------------------------------------------------
-    def poll(self, free: int, idle: bool) -> tuple[list[Work], set[str], bool]:
-        """(works to run next, at most `free`; keys to drop; closed). `idle`: wait for work or the close."""
+    def poll(self, free: int, idle: bool, wait_s: float | None = None) -> tuple[list[Work], set[str], bool]:
+        """(works to run next, at most `free`; keys to drop; closed). `idle`: wait for work or the close (at
+        most `wait_s` seconds when given: then perhaps nothing)."""
         with self._cond:
             if idle:
-                self._cond.wait_for(lambda: self._waiting or self.closed)
+                self._cond.wait_for(lambda: self._waiting or self.closed, wait_s)
             new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
             for ticket, i in new:
                 self._running[ticket.works[i].key] = (ticket, i)
@@ -243,6 +244,10 @@ class EngineLoop:
             self.inbox.cancel_all()
         if self._thread.is_alive():
             self._thread.join(timeout=max(timeout, 10.0))
+
+    def join(self) -> None:
+        """Until the engine loop has returned (after `close`)."""
+        self._thread.join()
 
     def stats(self) -> dict:
         waiting, running = self.inbox.depth()
