@@ -144,7 +144,7 @@ def has_followup(cfg: DictConfig, module) -> bool:
     )
 
 
-def check_backend(cfg: DictConfig, spec, method_name: str, processes: int = 1) -> None:
+def check_backend(cfg: DictConfig, spec, method_name: str, processes: int = 1, storage: str = "none") -> None:
     """What the model backend cannot do with this run, refused by the backend itself (a served model: method
     full, one process, one question per request; a model conf's own single-turn template: no next turn)."""
     spec.check(
@@ -154,6 +154,7 @@ def check_backend(cfg: DictConfig, spec, method_name: str, processes: int = 1) -
             query_aware=cfg.get("query_aware", True),
             multi_question=cfg.get("multi_question", False),
             processes=processes,
+            storage=storage,
         )
     )
 
@@ -167,6 +168,7 @@ class RunNeeds:
     query_aware: bool = True  # false: the context compressed before the question
     multi_question: bool = False  # a context's questions asked one after another on one cache
     processes: int = 1  # the run's world size (parallel.tp_size x parallel.dp_size)
+    storage: str = "none"  # the KV storage's name (conf/kv/)
 
 
 # --- once the model's config is read: no weights ----------------------------------------------------------

@@ -86,8 +86,8 @@ def plan(cfg: DictConfig, processes: int = 1) -> Plan:
     checks.check_task(cfg, task_module)
     spec = model_spec(cfg.model)
     checks.check_backend(
-        cfg, spec, method_name, processes
-    )  # e.g. a served model: method full, one process, an address
+        cfg, spec, method_name, processes, storage.name
+    )  # e.g. a served model: method full, one process, an address, its server's own KV storage
     return Plan(cfg, method, spec, task_module, out, storage=storage)
 
 

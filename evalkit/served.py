@@ -92,6 +92,11 @@ class ServedSpec(ModelSpec):
                 "a served model keeps the server's own full cache: use method=full (got "
                 f"method={needs.method})"
             )
+        if needs.storage != "none":
+            raise ConfigError(
+                f"kv={needs.storage}: a served model holds K/V as its server does (vLLM: --kv-cache-dtype); "
+                "run it with kv=none"
+            )
         if needs.processes > 1:
             raise ConfigError(
                 f"model {self.name} is served at {self.base_url}: its server does the parallel work; run it "
