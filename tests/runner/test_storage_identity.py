@@ -75,3 +75,26 @@ def test_what_a_storage_cannot_hold_is_refused_before_loading(tmp_path, override
 def test_an_unknown_storage_setting_is_refused_at_planning(tmp_path):
     with pytest.raises(ConfigError, match="unknown setting 'bogus'; settings: bits, group, residual"):
         planned(tmp_path, "kv=int4", "+kv.bogus=1")
+
+
+def test_a_run_in_fp8_records_its_storage_and_the_bytes_it_held(tmp_path, monkeypatch):
+    """`kv=fp8_e4m3` reaches the run's caches: metrics.json records the storage, and `kv.peak_bytes` (codes +
+    scales, measured) equals evalkit.memory's model for the peak request's entries under that storage; the
+    run lands in `snapstream+fp8_e4m3/`."""
+    import json
+
+    from transformers import AutoConfig
+
+    from evalkit.kv.storage import make_storage
+    from evalkit.memory.model import kv_geometry
+    from tests.conftest import fresh_run, the_run
+
+    monkeypatch.undo()  # this one loads the tiny model
+    small = ["task.load.n=1", "task.load.lengths=[1024]", "task.load.tasks=[niah_single_1]"]
+    fresh_run(*RULER, *small, "model.max_new_tokens=4", "kv=fp8_e4m3", results=tmp_path)
+    metrics = json.loads((the_run(tmp_path, "snapstream+fp8_e4m3", "64") / "metrics.json").read_text())
+    assert metrics["storage"] == {"name": "fp8_e4m3", "format": "e4m3", "scale": "head", "headroom": 1.0}
+    assert metrics["method"]["conf"] == "snapstream"
+    config = AutoConfig.for_model(**OmegaConf.to_container(compose(overrides=RULER).model.random))
+    geometry = kv_geometry(config, "float32", storage=make_storage("fp8_e4m3"))
+    assert metrics["kv"]["peak_bytes"] == geometry.sequence_bytes(metrics["kv"]["peak_entries"])
