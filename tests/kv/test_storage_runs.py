@@ -109,3 +109,21 @@ def test_fp8_compiled_equals_eager(method):
     compiled, _ = run(model, METHODS[method], STORAGES["fp8_e4m3"], compile=backend)
     assert {k: d.tokens for k, d in compiled.items()} == {k: d.tokens for k, d in eager.items()}
     assert backend.compiled == 1
+
+
+def test_the_quantized_bench_holds_the_modelled_bytes():
+    """`make bench`'s quantized rows time a cache that holds what evalkit.memory models (its memory floor is
+    the storage's bytes), and its fp8 step attends to about what the model dtype's does."""
+    from evalkit.bench import quantized as bench
+
+    shape, out = bench.SHAPE, {}
+    for name in bench.STORAGES:
+        storage = make_storage(name)
+        cache = bench.layers(storage, 256, torch.bfloat16)
+        want = storage.layer_bytes(256, 0, shape["kv_heads"], shape["head_dim"], shape["head_dim"], 16)
+        assert bench.held_bytes(cache) == shape["layers"] * want, name
+        g = torch.Generator().manual_seed(1)
+        q = torch.randn(1, shape["q_heads"], 1, shape["head_dim"], generator=g).to(torch.bfloat16)
+        k, v = (torch.randn(1, shape["kv_heads"], 1, shape["head_dim"], generator=g).bfloat16() for _ in "kv")
+        out[name] = bench.step(storage, cache, q, k, v, 3).float()
+    assert (out["fp8_e4m3"] - out["none"]).abs().max() < 0.1 and not torch.equal(out["fp8_e4m3"], out["none"])
