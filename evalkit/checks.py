@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from evalkit.config import ConfigError, check_choice
+from evalkit.kv.cache import NONE
 from evalkit.kv.methods import RunFacts
+from evalkit.kv.storage import KVStorage
 from evalkit.task import ask_later_problem, run_setting_problem
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # run-folder components: no separators, no "..", no "-x"
@@ -40,7 +42,7 @@ def _int(v) -> bool:
 # --- when a run is planned: no data, no model ------------------------------------------------------------
 def check_names(cfg: DictConfig, choices: dict) -> None:
     """Every group choice names a conf, and the names that become run-folder components are plain."""
-    for group in ("model", "task", "method"):
+    for group in ("model", "task", "method", "kv"):
         if group in choices:
             check_choice(group, choices[group])
     for key in ("task.name", "model.name", "task.lm_eval_task"):
@@ -142,7 +144,7 @@ def has_followup(cfg: DictConfig, module) -> bool:
     )
 
 
-def check_backend(cfg: DictConfig, spec, method_name: str, processes: int = 1) -> None:
+def check_backend(cfg: DictConfig, spec, method_name: str, processes: int = 1, storage: str = "none") -> None:
     """What the model backend cannot do with this run, refused by the backend itself (a served model: method
     full unless evalkit's own server serves another, one process, one question per request; a model conf's
     own single-turn template: no next turn)."""
@@ -153,6 +155,7 @@ def check_backend(cfg: DictConfig, spec, method_name: str, processes: int = 1) -
             query_aware=cfg.get("query_aware", True),
             multi_question=cfg.get("multi_question", False),
             processes=processes,
+            storage=storage,
         )
     )
 
@@ -166,6 +169,7 @@ class RunNeeds:
     query_aware: bool = True  # false: the context compressed before the question
     multi_question: bool = False  # a context's questions asked one after another on one cache
     processes: int = 1  # the run's world size (parallel.tp_size x parallel.dp_size)
+    storage: str = "none"  # the KV storage's name (conf/kv/)
 
 
 # --- once the model's config is read: no weights ----------------------------------------------------------
@@ -205,10 +209,17 @@ def run_facts(
     return RunFacts(model_name, mla, followup, bool(compile), tp, task)
 
 
-def check_methods(methods: list, facts: RunFacts) -> None:
+def check_methods(methods: list, facts: RunFacts, storage: KVStorage = NONE) -> None:
+    """What each method refuses in this run, then what the run's KV storage refuses to hold for it (int
+    storage with a method that overwrites chosen slots, or on MLA; fp8's per-tensor scale under TP)."""
     for method in methods:
         if (why := method.refusal(facts)) is not None:
             raise ConfigError(why)
+    for method in methods:
+        if (why := storage.refusal(method, facts)) is not None:
+            raise ConfigError(why)
+    if (why := storage.slot_refusal()) is not None:
+        raise ConfigError(why)
 
 
 def check_model(plans: list, model_cfg, context: int, tp: int = 1) -> None:
@@ -218,11 +229,11 @@ def check_model(plans: list, model_cfg, context: int, tp: int = 1) -> None:
     check_tp(p.cfg.model.name, model_cfg, tp)
     followup = has_followup(p.cfg, p.task_module)
     facts = run_facts(p.cfg.model.name, model_cfg, p.cfg.compile, followup, tp, p.cfg.task.name)
-    check_methods([q.method for q in plans], facts)
+    check_methods([q.method for q in plans], facts, p.storage)
 
 
 # --- lm_eval --model evalkit --------------------------------------------------------------------------------
-def check_lm(spec, method, compile: bool, query_aware, multi_question) -> None:
+def check_lm(spec, method, compile: bool, query_aware, multi_question, storage: KVStorage = NONE) -> None:
     """`lm_eval --model evalkit`'s own settings, before its weights load: the run settings in --model_args and
     what the method refuses on this model (lm-eval's CLI runs one process; the task's follow-up call is known
     only when its requests come, and refused then)."""
@@ -231,4 +242,4 @@ def check_lm(spec, method, compile: bool, query_aware, multi_question) -> None:
     if (why := run_setting_problem(query_aware, multi_question)) is not None:
         raise ConfigError(why)
     model_cfg = model_config(spec, resolve_source(spec))
-    check_methods([method], run_facts(spec.name, model_cfg, compile, followup=False))
+    check_methods([method], run_facts(spec.name, model_cfg, compile, followup=False), storage)

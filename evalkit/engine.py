@@ -42,11 +42,12 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from evalkit.kv.cache import KVCache
+from evalkit.kv.cache import NONE, KVCache
 from evalkit.kv.layout import slots_needed
 from evalkit.kv.pool import BUCKETS, Buckets, SlotPool
 from evalkit.kv.prefill import shared_prefill
 from evalkit.kv.static import compile_config
+from evalkit.kv.storage import KVStorage
 from evalkit.team import Team
 from evalkit.turns import Conversation, Done, Followup, Inbox, Turn, fed_tokens
 
@@ -111,10 +112,12 @@ class Engine:
         compile=False,
         team: Team | None = None,
         buckets: Buckets = BUCKETS,
+        storage: KVStorage = NONE,
     ):
         self.model, self.tokenizer, self.eos = model, tokenizer, set(eos_ids)
         self.buckets = buckets
         self.shapes: set[tuple[int, int, int]] = set()  # (rows, slots, visible) the decode step ran in
+        self.storage = storage  # how every cache and the pool hold K/V (`evalkit.kv.storage`): one per run
         self.team = team or Team.single()
         self.cache_agree = self.team.cache_agree(model)  # kept indices -> the TP group's (MLA)
         self.n_rows, self.continuous = rows, continuous
@@ -296,6 +299,7 @@ class Engine:
             replay=replay,
             max_new_tokens=fed_tokens(conv),
             agree=self.cache_agree,
+            storage=self.storage,
         )
         ids = torch.tensor([conv.ids], device=self.model.device)
         with shared_prefill(self.model, self.tokenizer):

@@ -38,7 +38,9 @@ NOT_GENERATION = (
 
 # Settings added after runs already existed, with the value that does what those runs did: a saved config that
 # lacks one is read with it, so upgrading evalkit never orphans a finished or half-done run folder.
-ADDED_SETTINGS = {"compile": False, "query_aware": True, "multi_question": False}
+# `kv` (the KV storage, conf/kv/): runs before it held K/V in the model dtype, `kv=none`.
+NO_STORAGE = {"_target_": "evalkit.kv.storage.NoStorage"}
+ADDED_SETTINGS = {"compile": False, "query_aware": True, "multi_question": False, "kv": NO_STORAGE}
 
 
 def saved_config(text: str) -> DictConfig:
@@ -59,6 +61,8 @@ def generation_settings(cfg: DictConfig | dict) -> dict:
         for name in parents:
             node = node.get(name) or {}
         node.pop(leaf, None)
+    if out.get("kv") == NO_STORAGE:  # the model dtype: identities stay those of runs before `kv` existed
+        out.pop("kv")
     task = out.get("task")
     if isinstance(task, dict) and isinstance(task.get("lm_eval_task"), str):
         task["lm_eval_task"] = task_id(task["lm_eval_task"])  # the namespace is no generation setting
@@ -82,10 +86,12 @@ def short_hash(obj) -> str:
 
 
 def generation_fields(cfg: DictConfig | dict, task_version, data_hash) -> dict:
-    """What the generation identity hashes: the generation settings but the method (model, task and its load,
-    generation and repeats, limit, seed, batch size), the task version and the data hash."""
+    """What the generation identity hashes: the generation settings but the method and the KV storage (model,
+    task and its load, generation and repeats, limit, seed, batch size), the task version and the data
+    hash."""
     settings = generation_settings(cfg)
     settings.pop("method", None)
+    settings.pop("kv", None)  # the configuration's other axis: runs of two storages are paired as methods
     for (
         key,
         default,
@@ -108,9 +114,18 @@ def hashes(cfg: DictConfig | dict, task_version, data_hash, scorer_version) -> d
     task = (cfg.get("task") if isinstance(cfg, dict) else cfg.task) or {}
     return {
         "generation": short_hash(generation_fields(cfg, task_version, data_hash)),
-        "method": short_hash(generation_settings(cfg).get("method")),
+        "method": configuration_hash(generation_settings(cfg)),
         "scoring": short_hash(scoring_fields(task, scorer_version)),
     }
+
+
+def configuration_hash(settings: dict) -> str:
+    """The configuration = method x budget x KV storage: the method's settings alone for `kv=none` (the hash
+    runs had before the storage axis), with the storage's beside them otherwise (two storages never share a
+    leaderboard cell)."""
+    if "kv" not in settings:
+        return short_hash(settings.get("method"))
+    return short_hash({"method": settings.get("method"), "kv": settings["kv"]})
 
 
 def scorer_code(module) -> str:
@@ -195,12 +210,19 @@ def settings_tag(node: dict, defaults: dict, skip: set = frozenset()) -> str:
 
 
 def run_dir(
-    cfg: DictConfig, method_name: str, method_defaults: DictConfig, defaults: DictConfig | None
+    cfg: DictConfig,
+    method_name: str,
+    method_defaults: DictConfig,
+    defaults: DictConfig | None,
+    storage_name: str = "none",
+    storage_defaults: DictConfig | None = None,
 ) -> Path:
     """The output path: a pure function of the config (no timestamps, no de-duplication suffixes). Settings
     changed from the confs' defaults join the folder names, so a 6-problem run never meets a 24-problem one:
     `runs/ruler-lengths1024-n1/<model>/snapstream/256-recent64`. `defaults`: the composed default config of
-    this task and model (None: a conf evalkit does not list; its settings are then the defaults)."""
+    this task and model (None: a conf evalkit does not list; its settings are then the defaults). A KV
+    storage other than `none` joins the method's folder (`snapstream+int4/256`, its changed settings the
+    tag: `-residual64`); `none` keeps the path runs had before the storage axis."""
     task, model = cfg.task.name, cfg.model.name
     if defaults is not None:
         now = OmegaConf.to_container(cfg, resolve=True)
@@ -211,6 +233,11 @@ def run_dir(
         )
         model += settings_tag(now["model"], was["model"], NAMING_KEYS | SERVING_KEYS)
     tag = budget_tag(cfg.method, method_defaults)
+    if storage_name != "none":
+        method_name += f"+{storage_name}"
+        now = OmegaConf.to_container(cfg.kv, resolve=True)
+        was = OmegaConf.to_container(storage_defaults, resolve=True) if storage_defaults is not None else now
+        tag += settings_tag(now, was)
     return Path(cfg.results_dir) / "runs" / task / model / method_name / tag
 
 

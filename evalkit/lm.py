@@ -51,6 +51,7 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         max_batch_size=None,  # lm-eval passes it; evalkit batches exactly `batch_size`
         compile: bool = False,  # compile the decode step (static shapes; CUDA graphs on GPU)
         team: Team | None = None,  # the run's processes (one by default)
+        kv="none",  # how the cache holds K/V: a conf/kv name or an `evalkit.kv.storage` object
         query_aware=True,  # lm-eval's --model_args: run settings, which reach the task's docs through its
         multi_question=False,  # metadata (evalkit.task.lm_eval_hooks); checked here before any weight loads
         **method_settings,
@@ -58,6 +59,7 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         from evalkit.checks import check_lm
         from evalkit.config import model_spec
         from evalkit.kv.config import make_method
+        from evalkit.kv.storage import make_storage
         from evalkit.loading import load_model
         from evalkit.sources import context_length
 
@@ -68,6 +70,7 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
             method = make_method(
                 method, **({"budget": budget} if budget is not None else {}), **method_settings
             )
+        storage = make_storage(kv) if isinstance(kv, str) else kv
         if not str(batch_size).isdigit() or int(batch_size) < 1:
             from evalkit.config import ConfigError
 
@@ -76,11 +79,12 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
             )
         self.compile = str(compile).lower() in ("true", "1")  # lm-eval's --model_args pass strings
         if hf_model is None:  # lm-eval's CLI: what `python -m evalkit` refuses before loading, refused here
-            check_lm(spec, method, self.compile, query_aware, multi_question)
+            check_lm(spec, method, self.compile, query_aware, multi_question, storage)
             hf_model, tokenizer = load_model(spec, self.team)
             if device and spec.device_map is None and (device == "cpu" or torch.cuda.is_available()):
                 hf_model = hf_model.to(device)  # lm-eval's --device, for models without a device_map
         self.kv_method, self.spec, self.seed, self.journal = method, spec, seed, journal
+        self.storage = storage
         self.also = list(also)  # [(method, journal)]: other budgets generated from the same prefills
         super().__init__(
             pretrained=hf_model,
@@ -103,7 +107,7 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
         # lm-eval's CLI knows the task only now: what a method cannot run with it, refused before generating
         if any(p.followup for _, p in prompts):
             facts = run_facts(self.spec.name, self.model.config, self.compile, followup=True)
-            check_methods([b.method for b in self.budgets()], facts)
+            check_methods([b.method for b in self.budgets()], facts, self.storage)
         # DP: another replica's request is answered by its journal ("" here; scoring reads journals);
         # conversations are dealt whole, balanced by questions across the replicas
         groups = self.team.take(grouped(prompts))
@@ -116,7 +120,13 @@ class EvalkitLM(HFLM):  # `--model evalkit` is its subclass evalkit.lm_eval_cli.
             1, min(self.batch_size * (methods if self.batch_budgets else 1), len(convs))
         )  # no idle rows
         engine = Engine(
-            self.model, self.tokenizer, self._eos_ids(), rows=rows, compile=self.compile, team=self.team
+            self.model,
+            self.tokenizer,
+            self._eos_ids(),
+            rows=rows,
+            compile=self.compile,
+            team=self.team,
+            storage=self.storage,
         )
         total = len(requests) * methods
         bar = tqdm(total=total, initial=total - todo, desc=self._label(), unit="gen", disable=disable_tqdm)

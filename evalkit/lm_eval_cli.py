@@ -44,10 +44,12 @@ class CliLM(EvalkitLM):
         return text, stats
 
     def get_model_info(self) -> dict:
-        """HFLM's model info plus `evalkit`: the method and the KV and generation figures of this run."""
+        """HFLM's model info plus `evalkit`: the method, the KV storage and the KV and generation figures of
+        this run."""
         return super().get_model_info() | {
             "evalkit": {
                 "method": self.kv_method.describe(),
+                "storage": self.storage.describe(),  # --model_args kv=fp8_e4m3
                 "kv": kv_summary(self.generations, self.model.config.get_text_config()),
                 "generation": generation_summary(self.generations),
             }

@@ -89,6 +89,9 @@ class Metrics:
     model: ModelRecord
     method: dict
     scores: dict[str, Score]
+    # how the run's cache held K/V: the storage's `describe()` (`{"name": "none"}`: the model dtype; files
+    # written before the storage axis read as that)
+    storage: dict = field(default_factory=lambda: {"name": "none"})
     schema: int | None = SCHEMA
     task_version: int | None = None
     scorer_version: int | None = None

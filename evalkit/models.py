@@ -96,6 +96,7 @@ class ModelSpec:
             also=[(q.method, q.journal) for q in plans[1:]],
             compile=p.cfg.compile,
             team=team,
+            kv=p.storage,
         )
 
     def source_label(self) -> str:

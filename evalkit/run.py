@@ -30,7 +30,9 @@ from evalkit.config import CONF_DIR, ConfigError, choices, compose, group_config
 from evalkit.errors import EvalkitError, exit_with
 from evalkit.identity import check_folder, classify, run_dir, run_identity
 from evalkit.journal import Journal, fold_shards, open_journals, request_keys
+from evalkit.kv.cache import NONE
 from evalkit.kv.config import canonical, make_method, method_class
+from evalkit.kv.storage import KVStorage, NoStorage, make_storage
 from evalkit.results import RunLock, atomic_write, check_writable, config_yaml
 from evalkit.summary import announce, next_step, print_table, summarize
 from evalkit.task import DataError
@@ -57,6 +59,9 @@ class Plan:
     state: str = "new"
     journal: Journal | None = field(default=None, repr=False)
     left: int = 0  # requests not journaled yet (0: scoring needs no model)
+    storage: KVStorage = field(
+        default_factory=NoStorage
+    )  # how the run's caches hold K/V (conf/kv/), chosen once here
 
 
 # --- the plan: everything that can fail before data or a model is loaded ----------------------------------
@@ -65,7 +70,15 @@ def plan(cfg: DictConfig, processes: int = 1) -> Plan:
     checks.check_names(cfg, hydra_choices)
     cfg, method, method_name = resolve_method(cfg, hydra_choices)
     checks.check_run_settings(cfg)
-    out = run_dir(cfg, method_name, group_config("method", method_name), conf_defaults(cfg))
+    storage, storage_defaults = resolve_storage(cfg, hydra_choices)
+    out = run_dir(
+        cfg,
+        method_name,
+        group_config("method", method_name),
+        conf_defaults(cfg),
+        storage.name,
+        storage_defaults,
+    )
     try:
         task_module = importlib.import_module(cfg.task.module)
     except ImportError as e:
@@ -73,9 +86,19 @@ def plan(cfg: DictConfig, processes: int = 1) -> Plan:
     checks.check_task(cfg, task_module)
     spec = model_spec(cfg.model)
     checks.check_backend(
-        cfg, spec, method_name, processes
-    )  # e.g. a served model: method full, one process, an address
-    return Plan(cfg, method, spec, task_module, out)
+        cfg, spec, method_name, processes, storage.name
+    )  # e.g. a served model: method full, one process, an address, its server's own KV storage
+    return Plan(cfg, method, spec, task_module, out, storage=storage)
+
+
+def resolve_storage(cfg: DictConfig, hydra_choices: dict) -> tuple[KVStorage, DictConfig | None]:
+    """(the run's KV storage, made once from `cfg.kv` and handed down; its conf's defaults, for the folder
+    name). A config without `kv` holds K/V in the model dtype."""
+    if cfg.get("kv") is None:
+        return NONE, None
+    storage = make_storage(cfg.kv)
+    name = hydra_choices.get("kv") or storage.name
+    return storage, (group_config("kv", name) if name in choices("kv") else None)
 
 
 def resolve_method(cfg: DictConfig, hydra_choices: dict) -> tuple[DictConfig, object, str]:

@@ -92,6 +92,11 @@ class ServedSpec(ModelSpec):
                 f"multi_question=true: model {self.name} is served (a served cache is not held between "
                 "requests): run it in process"
             )
+        if needs.storage != "none":
+            raise ConfigError(
+                f"kv={needs.storage}: a served model holds K/V as its server does (vLLM: --kv-cache-dtype); "
+                "run it with kv=none"
+            )
         if needs.processes > 1:
             raise ConfigError(
                 f"model {self.name} is served at {self.base_url}: its server does the parallel work; run it "

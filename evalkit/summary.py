@@ -99,7 +99,12 @@ def summarize(plan, loaded, rows: list[dict], model_config, context: int, journa
             "context": context,
             "hf_config": model_config.to_dict(),
         },
-        method={**method.describe(), "conf": plan.out.parent.name, "tag": plan.out.name},
+        method={
+            **method.describe(),
+            "conf": plan.out.parent.name.removesuffix(f"+{plan.storage.name}"),
+            "tag": plan.out.name,
+        },
+        storage=plan.storage.describe(),
         budget=method.budget,
         n=len(rows),
         n_skipped=len(loaded.skipped),

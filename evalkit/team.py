@@ -314,7 +314,7 @@ class Team:
             held = sum(
                 x.numel() * x.element_size()
                 for lay in pool.layers
-                for x in (lay.keys, lay.values)
+                for x in (lay.keys, lay.values, *lay.scales)
                 if x is not None
             )
             self._kv_peak = max(self._kv_peak, held)

@@ -26,6 +26,7 @@ MEASUREMENTS = {
     "grading": "grading",
     "eviction": "eviction",
     "serving": "serving",  # `make serve`'s engine under concurrent HTTP clients on 127.0.0.1
+    "quantized": "quantized",  # KV storage: fp8's dequantization per decode step beside bf16, 4k and 16k
     "eviction_16k": "eviction_16k",  # opt-in (--only): a 16k prefill per method takes minutes on CPU
 }
 OPT_IN = {"eviction_16k"}  # left out of the default run

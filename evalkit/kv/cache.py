@@ -31,10 +31,15 @@ from evalkit.kv.attention import hand_off
 from evalkit.kv.layout import Rows, plan_rows, ring_slot, valid_columns
 from evalkit.kv.scorers import PrefillView, rope_of
 from evalkit.kv.select import Agree, group_mean, own, place_topk
+from evalkit.kv.storage.base import KVStorage, NoStorage
+
+NONE = NoStorage()  # the model dtype: every cache's storage unless a run chooses one (frozen: no state)
 
 
 class KVLayer(CacheLayerMixin):
-    """One model layer's compressed cache. Buffers: keys (B, H, cap, D_k), values (B, H, cap, D_v)."""
+    """One model layer's compressed cache. Buffers: keys (B, H, cap, D_k), values (B, H, cap, D_v), as the
+    cache's storage holds them (the model dtype, or codes: `evalkit.kv.storage`); `scales`: its per-row
+    tensors beside them (none for `kv=none`)."""
 
     is_sliding = False
     is_croppable = False
@@ -45,6 +50,7 @@ class KVLayer(CacheLayerMixin):
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # full prompt K/V awaiting compression
         self.pos: torch.Tensor | None = None  # (B, H, cap) int32 original position per slot, -1 = empty
         self.steps = 0  # decode steps written by this layer
+        self.scales: tuple[torch.Tensor, ...] = ()  # the storage's per-row state, (B, ...) each
 
     @property
     def is_compileable(self) -> bool:
@@ -129,6 +135,8 @@ class KVLayer(CacheLayerMixin):
 
         # MLA: attention reads per-head keys rebuilt from the cache's latent (`attn_keys is not keys`)
         evictor.prefilled(self, query, scaling, attn_keys is not keys, scores, to_slots)
+        real = torch.arange(keys.shape[2], device=keys.device)[None] >= rows.pad[:, None]  # (B, T) no pads
+        self.cache.storage.seal(self, keys, values, real)  # the kept slots as the storage holds them
         self.cache.allocated(self)
 
     def grow(self, capacity: int) -> None:
@@ -147,6 +155,14 @@ class KVLayer(CacheLayerMixin):
             + self.values.shape[-1] * self.values.element_size()
         )
         return b * h * width
+
+    def row_scale_bytes(self) -> int:
+        """Bytes of the storage's per-row tensors (scales) of one batch row (0 for `kv=none`)."""
+        return sum(s[0].numel() * s.element_size() for s in self.scales)
+
+    def held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot's K/V in the model dtype (B, H, cap, D): what attention reads, dequantized."""
+        return self.cache.storage.load(self, self.keys, self.values)
 
 
 def _gathered(x: torch.Tensor, src: torch.Tensor, empty: torch.Tensor, cap: int) -> torch.Tensor:
@@ -178,8 +194,10 @@ class KVCache(Cache):
         replay=None,
         max_new_tokens=None,
         agree: Agree = own,
+        storage: KVStorage = NONE,
     ):
         self.method, self.attn_name = method, attn_name
+        self.storage = storage  # how each slot is held (`evalkit.kv.storage`, conf/kv/): chosen once per run
         self.agree = agree  # kept indices -> the ones every TP rank keeps (evalkit.team: `cache_agree`)
         self.record, self.replay = record, replay  # evalkit.kv.prefill: share one prefill across budgets
         self.max_new_tokens = self._check_max_new(max_new_tokens)
@@ -197,11 +215,18 @@ class KVCache(Cache):
 
     @classmethod
     def for_model(
-        cls, method, model, record=None, replay=None, max_new_tokens: int | None = None, agree: Agree = own
+        cls,
+        method,
+        model,
+        record=None,
+        replay=None,
+        max_new_tokens: int | None = None,
+        agree: Agree = own,
+        storage: KVStorage = NONE,
     ):
         config = model.config.get_text_config()
         layers, attn = config.num_hidden_layers, model.config._attn_implementation
-        cache = cls(method, layers, attn, record, replay, max_new_tokens, agree)
+        cache = cls(method, layers, attn, record, replay, max_new_tokens, agree, storage)
         cache.rope = rope_of(model)
         return cache
 
@@ -248,10 +273,11 @@ class KVCache(Cache):
         if layer.keys.shape[2] < self.rows.valid.shape[1]:
             layer.grow(self.rows.valid.shape[1])
         slot, q = self._slot, k.shape[2]
+        k, v = self.storage.store(layer, k, v)
         layer.keys[:, :, slot : slot + q].copy_(k)
         layer.values[:, :, slot : slot + q].copy_(v)
         layer.pos[:, :, slot : slot + q] = self._pos
-        return layer.keys[:, :, : self.visible], layer.values[:, :, : self.visible]
+        return self.storage.load(layer, layer.keys[:, :, : self.visible], layer.values[:, :, : self.visible])
 
     def _advance(self, q: int) -> None:
         """Once per decode step: this step's slot and positions (host arithmetic, no device sync)."""
@@ -329,12 +355,16 @@ class KVCache(Cache):
             {
                 **{k: total[k] for k in ("seen", "kept", "evicted")},
                 "layer": i,
-                "bytes": lay.entry_bytes() * used,
+                "bytes": lay.entry_bytes() * used + lay.row_scale_bytes() * len(rows),
             }
             for i, lay in enumerate(self.layers)
             if lay.keys is not None
         ]
-        reserved = sum(lay.entry_bytes() * lay.keys.shape[2] for lay in self.layers if lay.keys is not None)
+        reserved = sum(
+            lay.entry_bytes() * lay.keys.shape[2] + lay.row_scale_bytes() * len(rows)
+            for lay in self.layers
+            if lay.keys is not None
+        )
         return {**total, "slots": used, "reserved_bytes": reserved, "per_layer": per_layer, "rows": rows}
 
     def _in_use(self) -> int:
@@ -363,6 +393,7 @@ class KVCache(Cache):
         lengths = torch.tensor(rows.lengths, dtype=torch.int32, device=rows.valid.device)
         kept_generated = (self.layers[0].pos[:, 0, :used] >= lengths[:, None]).sum(1).tolist()
         per_slot = sum(lay.entry_bytes() for lay in self.layers) // len(kept)  # one row, all layers, K and V
+        scales = sum(lay.row_scale_bytes() for lay in self.layers)  # one row's, all layers: codes' scales
         return [
             {
                 "seen": seen,
@@ -370,7 +401,7 @@ class KVCache(Cache):
                 "evicted": seen - kept[r],
                 "evicted_generated": seen - length - kept_generated[r],
                 "slots": slots[r],
-                "bytes": per_slot * slots[r],
+                "bytes": per_slot * slots[r] + scales,
             }
             for r, (seen, length) in enumerate(zip(rows.next_pos.tolist(), rows.lengths))
         ]

@@ -327,7 +327,7 @@ class RefitEvictor(SlotEvictor):
         self.scaling = list(like.evictor.scaling)
         self.qpos = torch.zeros(batch, window, dtype=torch.long, device=dev)  # (B, w) stored queries' pos
         self.queries = [
-            layer.keys.new_zeros(batch, h_q, window, d)  # (B, H_q, w, D)
+            layer.keys.new_zeros(batch, h_q, window, d, dtype=layer.dtype)  # (B, H_q, w, D)
             for layer, (h_q, d) in zip(pool.layers, like.evictor.query_shape)
         ]
         self.since, self.count = [0] * batch, [0] * batch
@@ -374,7 +374,8 @@ class RefitEvictor(SlotEvictor):
         target, valid, qpos = method.target, pool.rows.valid[r], self.qpos[r]
         for layer, queries, scaling in zip(pool.layers, self.queries, self.scaling):
             pos = layer.pos[r]  # (H, S)
-            scores = window_scores(queries[r], layer.keys[r], pos, valid, qpos, scaling, method.pool_kernel)
+            keys = layer.held()[0][r]  # (H, S, D) in the model dtype
+            scores = window_scores(queries[r], keys, pos, valid, qpos, scaling, method.pool_kernel)
             keep = kept(pool, scores, target)  # (H, target) slots
             pool.keep_slots(layer, r, keep.gather(-1, pos.gather(-1, keep).argsort(dim=-1)))  # position order
         valid[target:] = False

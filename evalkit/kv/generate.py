@@ -71,6 +71,7 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     compile: bool = False,
     tokenizer=None,
+    storage=None,
     **gen_kwargs,
 ):
     """Generate from each row of a (left-padded) batch with its own `method` cache, through the engine;
@@ -80,7 +81,8 @@ def generate(
     torch's global generator. `return_dict_in_generate=True` returns transformers' output (with `logits` when
     `output_logits=True`: one (B, V) float32 tensor per step, zeros for rows already done). Rows that end
     early are padded with `pad_token_id`. `stats` holds the KV figures (`batch_stats`), `stats["rows"]` each
-    row's. `compile=True`: the decode step compiled (`compile_config` unless `gen_kwargs` has a
+    row's. `storage`: how the caches hold K/V (`evalkit.kv.storage`, default the model dtype).
+    `compile=True`: the decode step compiled (`compile_config` unless `gen_kwargs` has a
     `compile_config`). `tokenizer`: for a method whose prefill runs text of its own (`kvzip`).
     """
     from evalkit.engine import Engine
@@ -109,7 +111,10 @@ def generate(
         )
         for r, (row, mask) in enumerate(zip(input_ids, attention_mask))
     ]
-    engine = Engine(model, tokenizer, eos, len(requests), compile=compiled if compile else False)
+    held = (
+        {} if storage is None else {"storage": storage}
+    )  # an `evalkit.kv.storage` object; None: the model's
+    engine = Engine(model, tokenizer, eos, len(requests), compile=compiled if compile else False, **held)
     done = sorted(engine.run(requests), key=lambda d: d.tag)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos or [0])[0]
     sequences = _padded([d.tokens for d in done], pad, input_ids)

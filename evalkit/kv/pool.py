@@ -72,7 +72,14 @@ class SlotPool(StaticKVCache):
         """An empty pool shaped like the prefilled one-row cache `like` (layers, heads, head dims, dtype,
         device); its steps attend over `buckets` of the filled slots (then `decoded` must follow each
         step)."""
-        pool = cls(like.method, len(like.layers), like.attn_name, max_new_tokens=1, agree=like.agree)
+        pool = cls(
+            like.method,
+            len(like.layers),
+            like.attn_name,
+            max_new_tokens=1,
+            agree=like.agree,
+            storage=like.storage,
+        )
         # per row: slots that may hold an entry (a host bound, no sync), and the most it ever needs
         pool.buckets, pool.reach, pool.need, pool.visible = buckets, [1] * batch, [1] * batch, capacity
         dev = like.rows.valid.device
@@ -92,10 +99,12 @@ class SlotPool(StaticKVCache):
         pool._prefilled(rows, 0)
         for src, layer in zip(like.layers, pool.layers):
             layer.lazy_initialization(src.keys, src.values)
+            layer.dtype = src.dtype  # the model's (the buffers may hold a storage's codes)
             h, dk, dv = src.keys.shape[1], src.keys.shape[3], src.values.shape[3]
             layer.keys = src.keys.new_zeros(batch, h, capacity, dk)
             layer.values = src.values.new_zeros(batch, h, capacity, dv)
             layer.pos = src.pos.new_full((batch, h, capacity), -1)
+            layer.scales = tuple(s.new_ones(batch, *s.shape[1:]) for s in src.scales)  # idle rows: finite
             pool.allocated(layer)
         pool.evictor.allocate(pool, like, batch, capacity)
         for r in range(batch):
@@ -119,6 +128,8 @@ class SlotPool(StaticKVCache):
             mine.keys[r, :, :n].copy_(theirs.keys[0, :, :n])
             mine.values[r, :, :n].copy_(theirs.values[0, :, :n])
             mine.pos[r, :, :n].copy_(theirs.pos[0, :, :n])
+            for held, given in zip(mine.scales, theirs.scales):
+                held[r].copy_(given[0])
         rows, state = self.rows, self.state
         rows.valid[r].fill_(False)
         rows.valid[r, :n].copy_(src.rows.valid[0, :n])

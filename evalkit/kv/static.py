@@ -99,7 +99,7 @@ class StaticKVCache(KVCache):
         pin(rows.valid, rows.next_pos, rows.tail, *self.state.tensors())
 
     def allocated(self, layer: KVLayer) -> None:
-        pin(layer.keys, layer.values, layer.pos)
+        pin(layer.keys, layer.values, layer.pos, *layer.scales)
 
     def seq_length(self) -> int | torch.Tensor:
         """A device tensor (as transformers' StaticCache answers): a Python int that grows each step would
@@ -119,10 +119,11 @@ class StaticKVCache(KVCache):
         # index_put_ (not scatter_): inductor writes it in place into the buffers; a scatter it would apply to
         # a copy of each buffer and copy back, moving the whole cache twice per layer and step
         index = self.evictor.write_index(self, layer)
+        k, v = self.storage.store(layer, k, v)  # as the buffers hold them (codes for a quantizing storage)
         layer.keys[index] = k[:, :, 0]  # (B, H, D_k)
         layer.values[index] = v[:, :, 0]
         layer.pos[index] = self.state.pos[:, None]  # (B, 1) -> (B, H)
-        return layer.keys, layer.values
+        return self.storage.load(layer, layer.keys, layer.values)
 
     def decoded(self, active: list[int]) -> None:
         """Host hook after each engine decode step (a decode-time method's periodic re-selection)."""

@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch.multiprocessing as mp
 
-from tests.parallel.worker import methods_for, observe, tp_main
+from tests.parallel.worker import FP8_METHODS, methods_for, observe, tp_fp8_main, tp_main
 
 ARCHS = ("llama", "deepseek_v3")
 
@@ -56,3 +56,19 @@ def test_mla_kept_sets_are_the_roots_even_when_a_rank_scores_differently(tp2):
     assert r1["perturbed"]["kept"] == r0["perturbed"]["kept"]
     assert r1["perturbed"]["tokens"] == r0["perturbed"]["tokens"]
     assert r0["perturbed"]["kept"] == r0["snapkv"]["kept"]  # rank 0 was not perturbed
+
+
+def test_tp2_in_fp8_generates_what_one_process_does(tmp_path):
+    """KV storage fp8_e4m3 (a scale per KV head, calibrated on the prompt): each rank holds and calibrates its
+    own heads, and the tokens and kept sets equal one process's."""
+    mp.start_processes(tp_fp8_main, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    one, plain = observe("llama", FP8_METHODS, kv="fp8_e4m3"), observe("llama", {"full": {}})
+    for name in FP8_METHODS:
+        for sampling in ("greedy", "sampled"):
+            want = one[name]["tokens"][sampling]
+            assert r0[name]["tokens"][sampling] == r1[name]["tokens"][sampling] == want
+        for a, b, c in zip(one[name]["kept"], r0[name]["kept"], r1[name]["kept"]):
+            assert all(heads == h0 + h1 for heads, h0, h1 in zip(a, b, c)), name
+    assert one["full"]["margin"] > 1e-5
+    assert plain["full"]["margin"] != one["full"]["margin"]  # the storage was applied: other logits

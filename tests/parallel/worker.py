@@ -48,15 +48,17 @@ DTYPE = {"llama": "float64", "deepseek_v3": "float32"}
 BUCKETS = dict(floor=16, per_octave=4)
 
 
-def observe(arch: str, methods: dict = METHODS, team=None) -> dict:
+def observe(arch: str, methods: dict = METHODS, team=None, kv: str = "none") -> dict:
     """{method: {"kept": [[layer][head] positions] per prompt, "tokens": {sampling: [tokens per prompt]},
-    "margin": smallest greedy top-2 logit margin}} on this process of `team` (one process by default)."""
+    "margin": smallest greedy top-2 logit margin}} on this process of `team` (one process by default), the
+    caches held by KV storage `kv` (a conf/kv name)."""
     from transformers import GenerationConfig
 
     from evalkit.engine import Engine
     from evalkit.kv import KVCache
     from evalkit.kv.config import make_method
     from evalkit.kv.pool import Buckets
+    from evalkit.kv.storage import make_storage
     from evalkit.loading import load_model
     from evalkit.models import ModelSpec
     from evalkit.team import Team
@@ -66,18 +68,21 @@ def observe(arch: str, methods: dict = METHODS, team=None) -> dict:
     spec = ModelSpec(name=f"tiny_{arch}", random=TINY[arch], tokenizer="smollm2_135m", dtype=DTYPE[arch])
     model, tokenizer = load_model(spec, team)
     agree = team.cache_agree(model)
+    storage = make_storage(kv)
     out = {}
     for name, settings in methods_for(arch, methods).items():
         method = make_method(name, **settings)
         kept = []
         for ids in prompts():
-            cache = KVCache.for_model(method, model, agree=agree)
+            cache = KVCache.for_model(method, model, agree=agree, storage=storage)
             with torch.inference_mode():
                 model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
             kept.append([cache.positions(i)[0].tolist() for i in range(len(cache.layers))])
         tokens, margin = {}, float("inf")
         for mode, gen in SAMPLING.items():
-            engine = Engine(model, tokenizer, eos_ids=[], rows=2, team=team, buckets=Buckets(**BUCKETS))
+            engine = Engine(
+                model, tokenizer, eos_ids=[], rows=2, team=team, buckets=Buckets(**BUCKETS), storage=storage
+            )
             reqs = [
                 ask(str(i), ids, 12, method, GenerationConfig(**gen), seed=100 + i, keep_logits=True)
                 for i, ids in enumerate(prompts())
@@ -116,6 +121,26 @@ def tp_main(rank: int, world: int, port: int, archs: tuple, folder: str) -> None
     try:
         result = {arch: observe(arch, team=team) for arch in archs}
         result["deepseek_v3"]["perturbed"] = perturbed("deepseek_v3", team)
+    finally:
+        team.leave()
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+FP8_METHODS = {name: METHODS[name] for name in ("full", "snapstream", "h2o")}
+
+
+def tp_fp8_main(rank: int, world: int, port: int, folder: str) -> None:
+    """One rank of a TP=world run of the llama model with its caches in fp8 (a scale per KV head: each rank
+    calibrates the heads it holds)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from evalkit.team import Ranks, Team
+
+    team = Team.start(Ranks.from_config({"parallel": {"tp_size": world, "dp_size": 1}}))
+    try:
+        result = observe("llama", FP8_METHODS, team, kv="fp8_e4m3")
     finally:
         team.leave()
     with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:

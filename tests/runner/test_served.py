@@ -271,6 +271,7 @@ def test_a_run_never_mixes_two_servers(fake, tmp_path):
     "overrides, message",
     [
         (["method=snapstream"], "use method=full"),
+        (["kv=fp8_e4m3"], "a served model holds K/V as its server does"),
         (["model.base_url=127.0.0.1:8000"], "model.base_url must be"),
         (["model.api=grpc"], "model.api must be one of"),
         (["model.num_concurrent=0"], "model.num_concurrent must be a positive integer"),

@@ -32,7 +32,8 @@ def _kv_key() -> str:
 
 def test_every_job_composes_to_a_method_and_storage():
     params = _params()
-    assert set(params["kv"]) == {"none", "fp8_e4m3", "int4", "int2"} and set(params["task"]) == {
+    # int4 / int2 join once the slot caches hold KIVI's codes (a run refuses them today)
+    assert set(params["kv"]) == {"none", "fp8_e4m3", "fp8_e5m2"} and set(params["task"]) == {
         "ruler",
         "aime24",
     }

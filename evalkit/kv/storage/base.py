@@ -35,6 +35,11 @@ class KVStorage:
         `facts` is the run's `RunFacts` (model, mla, tp, ...), None outside a run."""
         return None
 
+    def slot_refusal(self) -> str | None:
+        """Why evalkit's slot caches (the fixed-shape cache and the engine's pool, which every run decodes
+        in) cannot hold this storage yet, or None."""
+        return None
+
     def check_widths(self, key_width: int, value_width: int) -> None:
         """Raise ValueError naming the setting if a head of these widths cannot be stored."""
 
@@ -52,6 +57,25 @@ class KVStorage:
         row), `read() -> (K, V)` in the model dtype, `nbytes()` (bytes of every tensor it holds)."""
         raise NotImplementedError
 
+    # --- the slot caches (`evalkit.kv.cache.KVCache`, the static cache, the engine's `SlotPool`) ----------
+    # A layer's buffers `keys` / `values` (B, H, cap, D) hold what this storage holds per slot (the model
+    # dtype, or codes); its `scales` tuple holds per-row tensors beside them ((B, ...) each: the pool
+    # copies a row's with its slots). `seal` turns a prefilled layer's buffers into that form, `store`
+    # codes each decode step's entries before they are written, `load` gives attention K/V back in the
+    # model dtype.
+    def seal(self, layer, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor) -> None:
+        """After prefill: `layer.keys/values` hold the kept slots in the model dtype; keys/values (B, H, T, D)
+        are the whole prompt and real (B, T) bool its real columns (what a scale is calibrated on)."""
+        raise NotImplementedError(f"kv {self.name}: not held by evalkit's slot caches")
+
+    def store(self, layer, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's K/V (B, H, q, D) as the layer's buffers hold them."""
+        raise NotImplementedError(f"kv {self.name}: not held by evalkit's slot caches")
+
+    def load(self, layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers (or a slice of their slots) -> K/V in the model dtype (`layer.dtype`), for attention."""
+        raise NotImplementedError(f"kv {self.name}: not held by evalkit's slot caches")
+
 
 @dataclass
 class NoStorage(KVStorage):
@@ -66,6 +90,15 @@ class NoStorage(KVStorage):
 
     def hold(self, keys, values):
         return Plain(keys, values)
+
+    def seal(self, layer, keys, values, real) -> None:
+        """The buffers already hold the model dtype."""
+
+    def store(self, layer, k, v):
+        return k, v
+
+    def load(self, layer, keys, values):
+        return keys, values
 
 
 class Plain:

@@ -92,6 +92,23 @@ class Fp8Storage(KVStorage):
     def hold(self, keys, values):
         return Fp8Held(self, keys, values)
 
+    # --- the slot caches: codes in the layer's buffers as uint8 (gather / index_put have no fp8 kernels on
+    # every device), the frozen scales (B, H | 1, 1, 1) float32 beside them --------------------------------
+    def seal(self, layer, keys, values, real) -> None:
+        layer.scales = (self.calibrate(keys, real), self.calibrate(values, real))
+        layer.keys, layer.values = self.store(layer, layer.keys, layer.values)
+
+    def store(self, layer, k, v):
+        k_scale, v_scale = layer.scales
+        return self.encode(k, k_scale).view(torch.uint8), self.encode(v, v_scale).view(torch.uint8)
+
+    def load(self, layer, keys, values):
+        k_scale, v_scale = layer.scales
+        return (
+            self.decode(keys.view(self.dtype), k_scale, layer.dtype),
+            self.decode(values.view(self.dtype), v_scale, layer.dtype),
+        )
+
 
 class Fp8Held:
     """A full cache in fp8: the prompt calibrates the scales, every later token is coded with them."""

@@ -138,6 +138,14 @@ class IntStorage(KVStorage):
             )
         return None
 
+    def slot_refusal(self) -> str | None:
+        # KIVI's moving residual in buffers allocated once (and a ring's residual at a per-row offset) is not
+        # built yet: the full cache's `hold` (StoredCache, the fidelity tests) is this storage's only path
+        return (
+            f"kv {self.name}: integer KV is not yet held by evalkit's slot caches (the engine's pool every "
+            "run decodes in): use kv=fp8_e4m3, kv=fp8_e5m2 or kv=none"
+        )
+
     def check_widths(self, key_width: int, value_width: int) -> None:
         if value_width % self.group:
             raise ValueError(
