@@ -53,3 +53,21 @@ def model_spec(name_or_cfg):
     """A `ModelSpec` from a model conf name or an already composed `model` config node."""
     cfg = group_config("model", name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
     return instantiate(cfg)
+
+
+def registered_class(target, package: str, base: type, group: str, what: str) -> type:
+    """The class a `<group>._target_` names; it may only be a `base` of `package` (`_target_` is a registry,
+    not an eval): a ConfigError otherwise, naming the group's confs."""
+    from hydra.utils import get_class
+
+    try:
+        prefix = package + "."
+        cls = get_class(target) if isinstance(target, str) and target.startswith(prefix) else None
+    except Exception:  # hydra reports a missing class with a bare Exception
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ConfigError(
+            f"{group}._target_ must name a {what} class in {package} (see conf/{group}/*.yaml), "
+            f"got {target!r}"
+        )
+    return cls

@@ -8,7 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 from evalkit.config import CONF_DIR, ConfigError, choices, compose
 from evalkit.kv.config import method_class
 
-GROUPS = ("model", "task", "method")
+GROUPS = ("model", "task", "method", "kv")
 
 
 def _leaves(node, prefix: str = "") -> list[str]:

@@ -7,23 +7,14 @@ from __future__ import annotations
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from evalkit.config import ConfigError, group_config
+from evalkit.config import ConfigError, group_config, registered_class
 from evalkit.kv.methods import KVMethod
 
 
 def method_class(target: str):
     """The class `_target_` names; it may only be an evalkit KV method (`_target_` is a registry, not an
     eval)."""
-    try:
-        cls = get_class(target) if isinstance(target, str) and target.startswith("evalkit.kv.") else None
-    except Exception:  # hydra reports a missing class with a bare Exception
-        cls = None
-    if not (isinstance(cls, type) and issubclass(cls, KVMethod)):
-        raise ConfigError(
-            "method._target_ must name a KV method class in evalkit.kv (see conf/method/*.yaml), "
-            f"got {target!r}"
-        )
-    return cls
+    return registered_class(target, "evalkit.kv", KVMethod, "method", "KV method")
 
 
 def make_method(name_or_cfg, **overrides):

@@ -123,6 +123,24 @@ def _check_budget(name: str, budget) -> int:
     return budget
 
 
+def _check_ring(method, least_recent: int) -> None:
+    """A sink + recent ring's settings (snapstream, and any scorer with its ring): `spare_slots`, `recent`'s
+    default (budget // 8, at least `least_recent`), and a ring that fits the budget."""
+    name = method.name
+    if method.spare_slots not in ("pad", "ring"):
+        raise ValueError(f"{name}: spare_slots must be 'pad' (spec) or 'ring', got {method.spare_slots!r}")
+    if method.recent is None:
+        method.recent = max(method.budget // 8, least_recent)
+    if method.sink < 0 or method.recent < 1:
+        raise ValueError(
+            f"{name}: need sink >= 0 and recent >= 1, got sink={method.sink}, recent={method.recent}"
+        )
+    if method.sink + method.recent > method.budget:
+        raise ValueError(
+            f"{name}: sink + recent must be <= budget, got {method.sink} + {method.recent} > {method.budget}"
+        )
+
+
 def _check_kernel(name: str, kernel: int) -> None:
     if kernel < 1 or kernel % 2 == 0:
         raise ValueError(f"{name}: pool_kernel must be odd and >= 1 (centred pooling), got {kernel}")
@@ -194,21 +212,7 @@ class SnapStream(SnapKV):
     def __post_init__(self):
         _check_budget(self.name, self.budget)
         _check_kernel(self.name, self.pool_kernel)
-        if self.spare_slots not in ("pad", "ring"):
-            raise ValueError(
-                f"{self.name}: spare_slots must be 'pad' (spec) or 'ring', got {self.spare_slots!r}"
-            )
-        if self.recent is None:
-            self.recent = max(self.budget // 8, self.window)
-        if self.sink < 0 or self.recent < 1:
-            raise ValueError(
-                f"{self.name}: need sink >= 0 and recent >= 1, got sink={self.sink}, recent={self.recent}"
-            )
-        if self.sink + self.recent > self.budget:
-            raise ValueError(
-                f"{self.name}: sink + recent must be <= budget, "
-                f"got {self.sink} + {self.recent} > {self.budget}"
-            )
+        _check_ring(self, self.window)
         # The observation window is the last `window` queries; they must lie in the recent block, which is
         # kept anyway, so that every scored candidate is older than every observing query.
         if self.window < 1 or self.window > self.recent:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 from evalkit.kv import scorers
-from evalkit.kv.methods import KVMethod, _check_budget
+from evalkit.kv.methods import KVMethod, _check_budget, _check_ring
 
 
 @dataclass
@@ -161,21 +161,7 @@ class Ringed(KVMethod):
 
     def __post_init__(self):
         _check_budget(self.name, self.budget)
-        if self.spare_slots not in ("pad", "ring"):
-            raise ValueError(
-                f"{self.name}: spare_slots must be 'pad' (spec) or 'ring', got {self.spare_slots!r}"
-            )
-        if self.recent is None:
-            self.recent = max(self.budget // 8, 32)
-        if self.sink < 0 or self.recent < 1:
-            raise ValueError(
-                f"{self.name}: need sink >= 0 and recent >= 1, got sink={self.sink}, recent={self.recent}"
-            )
-        if self.sink + self.recent > self.budget:
-            raise ValueError(
-                f"{self.name}: sink + recent must be <= budget, "
-                f"got {self.sink} + {self.recent} > {self.budget}"
-            )
+        _check_ring(self, 32)
 
     @property
     def window(self) -> int:  # the prompt queries a shared prefill keeps for the scorer

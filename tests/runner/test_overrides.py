@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
         (
             ["batchsize=4"],
             "unknown setting 'batchsize'; run settings: batch_size, compile, limit, multi_question, "
-            "parallel, query_aware, results_dir, seed; config groups: model, task, method, sweep",
+            "parallel, query_aware, results_dir, seed; config groups: model, task, method, kv, sweep",
         ),
     ],
 )

@@ -8,10 +8,10 @@ Kinds: `none` (the model dtype, `base.py`), `fp8_e4m3` / `fp8_e5m2` (`fp8.py`), 
 (KIVI, `kivi.py`); `stored.StoredCache` is the full cache held by a storage (transformers' `generate`).
 """
 
-from hydra.utils import get_class, instantiate
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from evalkit.config import ConfigError, group_config
+from evalkit.config import ConfigError, group_config, registered_class
 from evalkit.kv.storage.base import KVStorage, NoStorage
 from evalkit.kv.storage.fp8 import Fp8Storage
 from evalkit.kv.storage.kivi import IntStorage
@@ -21,17 +21,7 @@ from evalkit.kv.storage.stored import StoredCache
 def storage_class(target) -> type[KVStorage]:
     """The class `_target_` names; it may only be an evalkit KV storage (`_target_` is a registry, not an
     eval)."""
-    try:
-        prefix = "evalkit.kv.storage."
-        cls = get_class(target) if isinstance(target, str) and target.startswith(prefix) else None
-    except Exception:  # hydra reports a missing class with a bare Exception
-        cls = None
-    if not (isinstance(cls, type) and issubclass(cls, KVStorage)):
-        raise ConfigError(
-            "kv._target_ must name a KV storage class in evalkit.kv.storage (see conf/kv/*.yaml), "
-            f"got {target!r}"
-        )
-    return cls
+    return registered_class(target, "evalkit.kv.storage", KVStorage, "kv", "KV storage")
 
 
 def make_storage(name_or_cfg, **overrides) -> KVStorage:
