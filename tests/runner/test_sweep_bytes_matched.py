@@ -24,12 +24,6 @@ def _params() -> dict[str, list[str]]:
     return {k: [v] if str(v).startswith("[") else str(v).split(",") for k, v in params.items()}
 
 
-def _kv_key() -> str:
-    """`kv` once conf/eval.yaml lists the storage group (branch kvstore), `+kv` before: the same job."""
-    defaults = OmegaConf.load(CONF_DIR / "eval.yaml").defaults
-    return "kv" if any(isinstance(d, dict) and "kv" in d for d in defaults) else "+kv"
-
-
 def test_every_job_composes_to_a_method_and_storage():
     params = _params()
     # int4 / int2 join once the slot caches hold KIVI's codes (a run refuses them today)
@@ -43,7 +37,7 @@ def test_every_job_composes_to_a_method_and_storage():
             job = dict(zip(keys, values))
             kv = job.pop("kv")
             budgets = OmegaConf.create(f"b: {job.pop('method.budget')}").b
-            overrides = [f"{k}={v}" for k, v in job.items()] + [f"{_kv_key()}={kv}"]
+            overrides = [f"{k}={v}" for k, v in job.items()] + [f"kv={kv}"]
             cfg = compose("eval", overrides=overrides)
             assert make_storage(cfg.kv).name == kv
             if job["method"] == "full":  # the runner gives `full` no budget: the list names its one run

@@ -50,7 +50,10 @@ def test_an_unknown_serve_setting_lists_the_valid_ones():
     [
         (["serve.port=70000"], "serve.port must be an integer in [0, 65535], got 70000"),
         (["serve.prot=1"], f"unknown setting 'serve.prot'; {SERVE_SETTINGS}"),
-        (["method=nope"], "unknown method 'nope'; valid choices: expected_attention, full, h2o"),
+        (
+            ["method=nope"],
+            "unknown method 'nope'; valid choices: expected_attention, expected_attention_ring",
+        ),
         (["serve.port=80", "+serve"], "Error parsing override '+serve'"),
     ],
 )
