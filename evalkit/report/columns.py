@@ -92,8 +92,8 @@ def config_label(method: str, settings: str, query_aware=True, storage="none") -
     return name if query_aware is not False else f"{name} (query-agnostic)"
 
 
-def budget_label(budget) -> str:  # `all`: no budget (the full cache, held in a quantized storage)
-    return "all" if missing(budget) else str(int(budget))
+def budget_label(budget) -> str:  # `all`: no budget (the full cache in a quantized storage; budget_key's inf)
+    return "all" if missing(budget) or budget == float("inf") else str(int(budget))
 
 
 budget_key = lambda budget: float("inf") if missing(budget) else float(budget)  # noqa: E731 (`all` last)

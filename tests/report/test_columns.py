@@ -98,3 +98,13 @@ def test_every_table_and_csv_names_each_column_once():
         cols = columns.in_table(table, ["h200"])
         assert cols and cols[0].name == "method" and cols[1].name == "budget", table
     assert {c.group for c in columns.COLUMNS} <= set(columns.GROUPS)
+
+
+def test_a_budget_sorted_last_is_still_labelled_all():
+    """The breakdown table sorts by `budget_key` (the full cache in a quantized storage: inf) and labels
+    what it sorted: it crashed on the bytes_matched sweep's RULER subsets (int(inf))."""
+    assert [columns.budget_label(columns.budget_key(b)) for b in (None, 128.0, 2048)] == [
+        "all",
+        "128",
+        "2048",
+    ]
