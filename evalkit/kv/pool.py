@@ -197,10 +197,11 @@ class SlotPool(StaticKVCache):
         self.reach = [min(r + 1, n) for r, n in zip(self.reach, self.need)]
         self._plan()
 
-    def write(self, layer, k: torch.Tensor, v: torch.Tensor):
-        """The static cache's write; attention reads the first `visible` slots (views: no copy)."""
-        keys, values = super().write(layer, k, v)
-        return keys[:, :, : self.visible], values[:, :, : self.visible]
+    def read(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `visible` slots only, sliced before the storage reads them (views in the model dtype; a
+        quantizing storage decodes just those, not the whole capacity)."""
+        n = self.visible
+        return self.storage.load(layer, layer.keys[:, :, :n], layer.values[:, :, :n])
 
     def decode_mask(self) -> torch.Tensor:
         """(B, 1, 1, visible): the valid-slot mask over the slots attention reads."""

@@ -108,7 +108,8 @@ class StaticKVCache(KVCache):
 
     # --- decode ---------------------------------------------------------------------------------------------
     def write(self, layer: KVLayer, k: torch.Tensor, v: torch.Tensor):
-        """One token per row into this step's slot, written with tensor indices; returns the whole buffers."""
+        """One token per row into this step's slot, written with tensor indices; returns what attention reads
+        (`read`)."""
         if k.shape[2] != 1:  # a shape, so decided when the graph is traced
             raise ValueError(
                 f"{self.method.name}: a static cache (compile) decodes one token per forward after prefill "
@@ -123,6 +124,10 @@ class StaticKVCache(KVCache):
         layer.keys[index] = k[:, :, 0]  # (B, H, D_k)
         layer.values[index] = v[:, :, 0]
         layer.pos[index] = self.state.pos[:, None]  # (B, 1) -> (B, H)
+        return self.read(layer)
+
+    def read(self, layer: KVLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V attention reads this step, in the model dtype: every slot."""
         return self.storage.load(layer, layer.keys, layer.values)
 
     def decoded(self, active: list[int]) -> None:
