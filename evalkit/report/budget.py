@@ -54,7 +54,7 @@ def spec_of(run: Run, deploy: dict, storage=None) -> ModelSpec:
 def storage_of(run: Run):
     """The run's KV storage as its saved config made it (`kv`: its settings, group and residual included),
     or by its recorded name; None for `none` (the deployment's kv_dtype)."""
-    if run.storage == "none":
+    if run.in_model_dtype:
         return None
     node = run.config.get("kv")
     return kv_storage(node if isinstance(node, dict) and node.get("_target_") else run.storage)
