@@ -4,10 +4,11 @@ how fast it then decodes.
 Per method, its own prefill as a run does it (`KVMethod.prefill` under `shared_prefill`: the forward, which
 compresses as attention hands each layer its queries, plus KVzip's reconstruction passes), timed end to end
 (`prefill_s`, beside the full cache's own, `prefill_pct`: the method's over the full cache's) and its
-compression timed directly (`compress_ms`: scoring + top-K + gather, every layer). The prefilled one-row cache
-then goes into a one-row slot pool, the engine's decode path (eager forward), and decodes greedily in
-interleaved rounds with every other method, so machine noise hits all alike (`decode_tok_s` from the mean step,
-a decode-time method's scoring and re-selections included; `vs_snapstream` is its tok/s over SnapStream's).
+compression timed directly (`compress_ms`: scoring + top-K + gather, every layer). The prefilled one-row
+cache then goes into a one-row slot pool, the engine's decode path (eager forward), and decodes greedily in
+interleaved rounds with every other method, so machine noise hits all alike (`decode_tok_s` from the mean
+step, a decode-time method's scoring and re-selections included; `vs_snapstream`: its tok/s over
+SnapStream's).
 An append method (snapkv and the prefill scorers) holds its budget plus the tokens it decodes; a ring method
 and a decode-time evictor hold the budget.
 """
@@ -139,8 +140,8 @@ def run(ctx: Context) -> list[dict]:
 
 def note(rows: list[dict]) -> str:
     return (
-        "Every method beside SnapStream at one budget (eager, one row). `prefill_s`: the method's own prefill "
-        "end to end (KVzip's reconstruction passes included), `prefill_pct` over the full cache's prefill of "
+        "Every method beside SnapStream at one budget (eager, one row). `prefill_s`: the method's own "
+        "prefill end to end (KVzip's reconstruction passes included), `prefill_pct` over the full cache's prefill of "
         "the same prompt (`full_prefill_s`); `compress_ms`: scoring + top-K + gather over every layer, timed "
         "directly; `decode_tok_s`: mean step over interleaved rounds in a one-row slot pool (a decode-time "
         "method's scoring and re-selections included), `vs_snapstream` its speed over SnapStream's. Append "
@@ -148,4 +149,6 @@ def note(rows: list[dict]) -> str:
     )
 
 
-MEASUREMENT = Measurement("rivals", "rivals_speed.csv", "Every method at 4k: prefill cost and decode", run, note)
+MEASUREMENT = Measurement(
+    "rivals", "rivals_speed.csv", "Every method at 4k: prefill cost and decode", run, note
+)
