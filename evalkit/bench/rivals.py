@@ -139,13 +139,17 @@ def run(ctx: Context) -> list[dict]:
 
 
 def note(rows: list[dict]) -> str:
-    return (
-        "Every method beside SnapStream at one budget (eager, one row). `prefill_s`: the method's own "
-        "prefill end to end (KVzip's reconstruction passes included), `prefill_pct` over the full cache's "
-        "prefill of the same prompt (`full_prefill_s`); `compress_ms`: scoring + top-K + gather over every layer, timed "
-        "directly; `decode_tok_s`: mean step over interleaved rounds in a one-row slot pool (a decode-time "
-        "method's scoring and re-selections included), `vs_snapstream` its speed over SnapStream's. Append "
-        "methods (`prefill` kind) grow by one slot per token; ring and decode-time methods hold the budget."
+    return " ".join(
+        [
+            "Every method beside SnapStream at one budget (eager, one row).",
+            "`prefill_s`: the method's own prefill end to end (KVzip's reconstruction passes included);",
+            "`prefill_pct`: that over the full cache's prefill of the same prompt (`full_prefill_s`);",
+            "`compress_ms`: scoring + top-K + gather over every layer, timed directly;",
+            "`decode_tok_s`: the mean step over interleaved rounds in a one-row slot pool (a decode-time",
+            "method's scoring and re-selections included); `vs_snapstream`: its speed over SnapStream's.",
+            "Append methods (kind `prefill`) grow by one slot per token; ring and decode-time methods hold",
+            "the budget.",
+        ]
     )
 
 
