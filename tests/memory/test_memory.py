@@ -136,6 +136,13 @@ def test_deepseek_weights_fp8_and_active_parameters():
         ("streaming_llm", 256, 256),
         ("streamingllm", 1000, 1000),
         ("snapkv", 256, 256 + 50),
+        # every conf method, by its class (before, only the four above were known to the memory model)
+        ("h2o", 256, 256),
+        ("tova_decode", 256, 256),
+        ("snapkv_decode", 256, 256),
+        ("kvzip_ring", 256, 256),
+        ("knorm", 256, 256 + 50),
+        ("expected_attention", 256, 256 + 50),
     ],
 )
 def test_kv_entries_per_method(method, budget, expected):
