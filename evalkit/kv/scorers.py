@@ -181,8 +181,8 @@ class ExpectedAttentionScore(Scorer):
     covariance: bool = True
     value_norm: bool = True
     epsilon: float = 0.0
-    # every prompt query: a shared prefill keeps this score per entry (B, H, T) float32 instead of the prompt's
-    # queries (B, H_q, T, D), and a replayed prefill reads it back as `view.hint`
+    # every prompt query: a shared prefill keeps this score per entry (B, H, T) float32 instead of the
+    # prompt's queries (B, H_q, T, D), and a replayed prefill reads it back as `view.hint`
     records_score: ClassVar[bool] = True
 
     def refusal(self, facts, method: str) -> str | None:

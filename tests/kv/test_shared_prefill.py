@@ -158,7 +158,8 @@ def test_an_expected_attention_record_keeps_the_score_not_every_query(ring):
     for i in range(cfg.num_hidden_layers):
         queries = record.layers[i][2]
         assert queries.shape[2] == 32 and record.hints[i].shape == (1, cfg.num_key_value_heads, t)
-    alone_cache, replay_cache = KVCache.for_model(large, model), KVCache.for_model(large, model, replay=record)
+    alone_cache = KVCache.for_model(large, model)
+    replay_cache = KVCache.for_model(large, model, replay=record)
     alone, replayed = gen(model, ids, alone_cache, False), gen(model, ids, replay_cache, False)
     assert torch.equal(alone.sequences, replayed.sequences)
     assert all(torch.equal(a, b) for a, b in zip(alone.logits, replayed.logits))
