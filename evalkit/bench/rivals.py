@@ -3,7 +3,8 @@ how fast it then decodes.
 
 Per method, its own prefill as a run does it (`KVMethod.prefill` under `shared_prefill`: the forward, which
 compresses as attention hands each layer its queries, plus KVzip's reconstruction passes), timed end to end
-(`prefill_s`, beside the full cache's own, `prefill_pct`: the method's over the full cache's) and its
+(`prefill_s`, beside the full cache's own prefill of the same prompt run just before it,
+`full_prefill_s`, and `prefill_pct`: the method's over that one) and its
 compression timed directly (`compress_ms`: scoring + top-K + gather, every layer). The prefilled one-row
 cache then goes into a one-row slot pool, the engine's decode path (eager forward), and decodes greedily in
 interleaved rounds with every other method, so machine noise hits all alike (`decode_tok_s` from the mean
@@ -86,13 +87,13 @@ def rivals_speed(model, tokenizer, ids, budget: int, steps: int, rounds: int = 4
     """One row per method: prefill and compression time, decode tok/s from one-row pools (interleaved)."""
     per_round = max(2, steps // rounds)
     prefilled(Full(), model, tokenizer, ids, 1)  # warms up: a first forward pays one-off costs
-    full_s = prefilled(Full(), model, tokenizer, ids, 1)[2]
-    runs = []  # [method, pool, token, prefill_s, compress_s]
+    runs = []  # [method, pool, token, prefill_s, compress_s, full_s]
     for method in methods(model, budget):
+        full_s = prefilled(Full(), model, tokenizer, ids, 1)[2]  # paired: the load drifts on a shared CPU
         cache, first, prefill_s, compress_s = prefilled(method, model, tokenizer, ids, steps + rounds)
         pool = SlotPool.shaped_like(cache, 1, cache.rows.n + (0 if method.ring else steps + rounds))
         pool.load_row(0, cache)
-        runs.append([method, pool, first, prefill_s, compress_s])
+        runs.append([method, pool, first, prefill_s, compress_s, full_s])
         del cache
     times = {label(r[0]): [] for r in runs}
     for _ in range(rounds):
@@ -100,7 +101,7 @@ def rivals_speed(model, tokenizer, ids, budget: int, steps: int, rounds: int = 4
             ts, run[2] = pool_steps(model, run[1], run[2], per_round + 1)
             times[label(run[0])] += ts[1:]  # the first step of a round warms up
     snap = statistics.mean(times[label(runs[0][0])])
-    return [_row(ids.shape[1], m, times[label(m)], snap, p, c, full_s) for m, _, _, p, c in runs]
+    return [_row(ids.shape[1], m, times[label(m)], snap, p, c, f) for m, _, _, p, c, f in runs]
 
 
 def _row(prompt: int, method, times: list, snap: float, prefill_s: float, compress_s: float, full_s: float):
@@ -143,7 +144,8 @@ def note(rows: list[dict]) -> str:
         [
             "Every method beside SnapStream at one budget (eager, one row).",
             "`prefill_s`: the method's own prefill end to end (KVzip's reconstruction passes included);",
-            "`prefill_pct`: that over the full cache's prefill of the same prompt (`full_prefill_s`);",
+            "`prefill_pct`: that over the full cache's prefill of the same prompt run just before it",
+            "(`full_prefill_s`: paired, as the load drifts on a shared CPU);",
             "`compress_ms`: scoring + top-K + gather over every layer, timed directly;",
             "`decode_tok_s`: the mean step over interleaved rounds in a one-row slot pool (a decode-time",
             "method's scoring and re-selections included); `vs_snapstream`: its speed over SnapStream's.",
