@@ -218,8 +218,6 @@ def check_methods(methods: list, facts: RunFacts, storage: KVStorage = NONE) -> 
     for method in methods:
         if (why := storage.refusal(method, facts)) is not None:
             raise ConfigError(why)
-    if (why := storage.slot_refusal()) is not None:
-        raise ConfigError(why)
 
 
 def check_model(plans: list, model_cfg, context: int, tp: int = 1) -> None:
