@@ -63,7 +63,8 @@ def test_storage_joins_the_configuration_identity_and_none_keeps_todays():
         (["method=h2o", "kv=int4"], 1, "kv int4: h2o overwrites single cache entries chosen per KV head"),
         (["model=tiny_deepseek", "kv=int2"], 1, "kv int2: this model caches one latent per token"),
         (["kv=fp8_e4m3", "kv.scale=tensor"], 2, "scale=tensor takes one amax over every KV head"),
-        (["kv=int4"], 1, "kv int4: integer KV is not yet held by evalkit's slot caches"),
+        (["kv=int4"], 1, "kv int4: group=32 must divide the value head width 16 .*: set kv.group"),
+        (["kv=int4", "kv.group=8", "kv.residual=16", "method.budget=60"], 1, "budget 60 must be a multiple"),
     ],
 )
 def test_what_a_storage_cannot_hold_is_refused_before_loading(tmp_path, overrides, tp, why):
