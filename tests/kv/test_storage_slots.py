@@ -1,8 +1,8 @@
-"""Integer KV (KIVI) held in evalkit's slot caches (`evalkit.kv.storage.kivi_slots`): the engine's pool decodes
-the tokens of the storage's own full cache (`StoredCache`, KIVI's reference path, itself equal to a float64
-KIVI) across residual blocks, compiled equals eager in one graph, a pool of rows of several lengths and budgets
-equals each row alone, a ring row keeps its ring raw while its sinks and top-K are coded, and the bytes a row
-reports equal `IntStorage.layer_bytes` (what evalkit.memory models)."""
+"""Integer KV (KIVI) held in evalkit's slot caches (`evalkit.kv.storage.kivi_slots`): the engine's pool
+decodes the tokens of the storage's own full cache (`StoredCache`, KIVI's reference path, itself equal to a
+float64 KIVI) across residual blocks, compiled equals eager in one graph, a pool of rows of several lengths
+and budgets equals each row alone, a ring row keeps its ring raw while its sinks and top-K are coded, and the
+bytes a row reports equal `IntStorage.layer_bytes` (what evalkit.memory models)."""
 
 import pytest
 import torch

@@ -8,7 +8,9 @@ the storage *how*: every method composes with every storage it does not refuse (
 
 Kinds: `NoStorage` (the model dtype), `Fp8Storage` (e4m3 / e5m2, `fp8.py`), `IntStorage` (KIVI's asymmetric
 group-wise int8 / int4 / int2, `kivi.py`). `hold` is the full cache's path (a prompt, then one token per step,
-`stored.StoredCache`); the fixed-shape cache and the slot pool hold the same codes in buffers allocated once.
+`stored.StoredCache`); the fixed-shape cache and the slot pool hold the same codes in buffers allocated once
+(KIVI's laid out per slot, its residual in per-row windows: `kivi_slots.py`; `hold_bytes` is then the full
+cache's own figure).
 """
 
 from __future__ import annotations

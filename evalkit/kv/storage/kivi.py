@@ -12,7 +12,9 @@ keys [0, R * floor((N - 1) / R)) are quantized (a block of R keys is quantized t
 arrives, so a key group never mixes quantized and raw entries) and values [0, N - R - 1) (the oldest value
 leaves the residual once R + 1 are held). Attention therefore sees, at every decode step, exactly KIVI's
 split (KIVI quantizes after attention; evalkit before the next token's write, which attention cannot tell
-apart). In a ring cache the ring is the residual (docs/deviations.md#kv-storage).
+apart). In a ring cache the ring is the residual (docs/deviations.md#kv-storage). `hold` (`KiviHeld`) is the
+full cache's ragged layout; the slot caches hold the same split per slot (`kivi_slots.py`), whose bytes are
+`layer_bytes` (what a run holds and evalkit.memory models), KIVI's ragged ones `hold_bytes`.
 """
 
 from __future__ import annotations

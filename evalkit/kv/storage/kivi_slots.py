@@ -12,11 +12,11 @@ slicing the visible slots (buckets) and sharding heads (TP) work as for any stor
   row). The pool's windows are as wide as its widest row's (grown as a wider row arrives, as its capacity).
 
 Which slots are raw is KIVI's split, per row (`StepState` tensors, no kind switch):
-- an append row of N filled slots: keys of slots [R * floor((N - 1) / R), N) at window index i mod R, values of
-  the last R + 1 slots at index i mod (R + 1). Each decode step, inside the graph, the key block that just
+- an append row of N filled slots: keys of slots [R * floor((N - 1) / R), N) at window index i mod R, values
+  of the last R + 1 slots at index i mod (R + 1). Each decode step, inside the graph, the key block that just
   filled (slot s = N - 1 a multiple of R) is quantized into its slots, and the value leaving the window (slot
-  s - R - 1) into its slot, before the new entry takes its window index (torch.where-guarded writes): attention
-  sees exactly what `KiviHeld` (the full cache's reference path) holds at every step.
+  s - R - 1) into its slot, before the new entry takes its window index (torch.where-guarded writes):
+  attention sees exactly what `KiviHeld` (the full cache's reference path) holds at every step.
 - a ring row: its ring (the slots decode overwrites, from `start` = the sinks, or the prompt's end when the
   prompt is shorter than the sinks) is the residual, raw at window index slot - start; sinks and top-K are
   quantized once at seal, key groups over blocks of G slots with the ring's slots left out of a group's range.
@@ -133,7 +133,7 @@ def _seal_ring(s, cache, keys, values, valid):
 # --- each decode step (inside the graph: tensor work in place, no host sync) -----------------------------
 def write(s, layer, k: torch.Tensor, v: torch.Tensor) -> None:
     """This step's K/V (B, H, 1, D) into the row's window; an append row first codes its key block that just
-    filled and the value that leaves its window (torch.where-guarded: rows not due write back what they hold)."""
+    filled and the value that leaves its window (torch.where-guarded: a row not due writes back its bytes)."""
     state, (kwin, vwin, meta) = layer.cache.state, layer.scales
     slot, ring, row, r = state.slot, state.ring, state.row, s.residual
     if kwin.shape[2] >= r:  # a shape: some row of this cache may append
