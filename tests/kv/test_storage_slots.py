@@ -9,6 +9,7 @@ import torch
 
 from evalkit.engine import Engine
 from evalkit.kv import Full, SnapKV, SnapStream, StaticKVCache, StreamingLLM
+from evalkit.kv.pool import BUCKETS, Buckets
 from evalkit.kv.storage import IntStorage, NoStorage, StoredCache
 from evalkit.memory.model import kv_geometry
 from evalkit.turns import ask
@@ -28,6 +29,7 @@ METHODS = {
     "snapstream": SnapStream(budget=64, recent=16, window=8),
     "streamingllm": StreamingLLM(budget=48),
 }
+SMALL = Buckets(floor=12, per_octave=4)  # 12, 16, 20, 24, 28, 32, 40, ...
 LENGTHS = (5, 16, 17, 40, 90)  # shorter than the residual, a whole block, one past it, several blocks
 NEW = 40
 
@@ -37,9 +39,9 @@ def ids(lengths=LENGTHS, seed=1):
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
 
 
-def pooled(model, reqs, storage, rows, compile=False, new=NEW):
+def pooled(model, reqs, storage, rows, compile=False, new=NEW, buckets=BUCKETS):
     """{key: Done} of the engine decoding `reqs` [(ids, method)] in a pool of `rows` rows."""
-    engine = Engine(model, Tok(), [0], rows, compile=compile, storage=storage)
+    engine = Engine(model, Tok(), [0], rows, compile=compile, storage=storage, buckets=buckets)
     asks = [
         ask(str(i), x, new, m, settings(False, new), i, keep_logits=True) for i, (x, m) in enumerate(reqs)
     ]
@@ -48,9 +50,10 @@ def pooled(model, reqs, storage, rows, compile=False, new=NEW):
 
 @pytest.mark.parametrize("name", INT)
 def test_int_pool_equals_the_kivi_full_cache(name):
-    """Greedy decode in the pool (1 and 3 rows) = transformers' generate over `StoredCache` with the same
-    IntStorage, token for token, and every step's logits close, for prompts shorter and longer than the
-    residual and 40 new tokens (several key blocks quantized while decoding)."""
+    """Greedy decode in the pool (1 row; 3 rows attending over small buckets: visible slots that cut key
+    groups) = transformers' generate over `StoredCache` with the same IntStorage, token for token, and every
+    step's logits close, for prompts shorter and longer than the residual and 40 new tokens (several key
+    blocks quantized while decoding)."""
     model, storage = tiny_model("llama", seed=3), INT[name]
     want, logits = {}, {}
     for i, x in enumerate(ids()):
@@ -64,12 +67,13 @@ def test_int_pool_equals_the_kivi_full_cache(name):
             )
         want[str(i)] = out.sequences[0, len(x) :].tolist()
         logits[str(i)] = torch.stack([step[0] for step in out.logits])  # (NEW, V)
-    for rows in (1, 3):
-        done, _ = pooled(model, [(x, Full()) for x in ids()], storage, rows)
+    for rows, buckets in ((1, BUCKETS), (3, SMALL)):
+        done, engine = pooled(model, [(x, Full()) for x in ids()], storage, rows, buckets=buckets)
         assert {k: d.tokens for k, d in done.items()} == want, rows
         for k, d in done.items():
             got = torch.stack([x.float() for x in d.logits])
             assert torch.allclose(got, logits[k].float(), atol=1e-4), (rows, k)
+    assert any(visible % 8 for _, _, visible in engine.shapes)  # a bucket that ends inside a key group
 
 
 def test_int2_moves_the_logits():
