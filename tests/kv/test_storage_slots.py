@@ -108,8 +108,10 @@ def test_int_batch_equals_single_across_lengths_and_budgets():
     together, engine = pooled(model, reqs, storage, 3, new=24)
     assert {k: d.tokens for k, d in together.items()} == {k: d.tokens for k, d in alone.items()}
     assert engine.pool.layers[0].scales[0].shape[2] == 32  # the widest ring's raw window (first row: 16)
-    for k, d in together.items():
+    geometry = kv_geometry(TINY["llama"], "float32", storage=storage)
+    for (k, d), (_, m) in zip(sorted(together.items(), key=lambda kd: int(kd[0])), reqs):
         assert d.stats["kv_bytes"] == alone[k].stats["kv_bytes"], k
+        assert d.stats["kv_bytes"] == geometry.sequence_bytes(d.stats["kv_slots"], m.blocks()[1]), k
 
 
 def _static(model, method, storage, prompt, fed):
