@@ -140,20 +140,19 @@ def test_a_ring_stays_raw_while_sinks_and_topk_are_quantized():
     assert coded.layers[0].keys.dtype == torch.uint8 and coded.layers[0].scales[0].shape[2] == 16
 
 
-@pytest.mark.parametrize("method", ["full", "snapkv", "snapstream", "streamingllm"])
 @pytest.mark.parametrize("name", INT)
-def test_int_measured_bytes_equal_modelled(name, method):
+def test_int_measured_bytes_equal_modelled(name):
     """Each request's `kv_bytes` (its row's slot bytes and its raw windows) = evalkit.memory's sequence
-    bytes for its slots (and ring) under the same storage; below the model dtype's unless the ring is nearly
-    the whole budget (streamingllm: every ring slot holds its unused codes beside its raw entry)."""
+    bytes for its slots (and ring) under the same storage, for full, snapkv, snapstream and streamingllm rows
+    of one pool; below the model dtype's unless the ring is nearly the whole budget (streamingllm: every ring
+    slot holds its unused codes beside its raw entry)."""
     model, storage = tiny_model("llama", seed=3), INT[name]
-    m = METHODS[method]
-    done, _ = pooled(model, [(x, m) for x in prompts()[:3]], storage, 2, new=12)
+    reqs = [(x, m) for m in METHODS.values() for x in prompts()[:2]]
+    done, _ = pooled(model, reqs, storage, 2, new=12)
     geometry = kv_geometry(TINY["llama"], "float32", storage=storage)
     plain = kv_geometry(TINY["llama"], "float32")
-    ring = m.blocks()[1] if m.ring else 0
-    for d in done.values():
-        slots = d.stats["kv_slots"]
-        assert d.stats["kv_bytes"] == geometry.sequence_bytes(slots, ring), d.key
-        if method != "streamingllm":
-            assert d.stats["kv_bytes"] < plain.sequence_bytes(slots), d.key
+    for i, (_, m) in enumerate(reqs):
+        slots, held = done[str(i)].stats["kv_slots"], done[str(i)].stats["kv_bytes"]
+        assert held == geometry.sequence_bytes(slots, m.blocks()[1] if m.ring else 0), (m.name, i)
+        if m.name != "streamingllm":
+            assert held < plain.sequence_bytes(slots), (m.name, i)
