@@ -675,3 +675,22 @@ def test_rivals_rows_time_each_methods_prefill_and_decode(model, ids):
     assert {by[c]["kind"] for c in ("snapstream_64", "kvzip_ring_64")} == {"ring"}
     assert {by[c]["kind"] for c in ("h2o_64", "snapkv_decode_64", "tova_decode_64")} == {"decode-time"}
     assert {by[c]["kind"] for c in ("snapkv_64", "knorm_64", "kvzip_64")} == {"prefill"}
+
+
+# --- every KV storage in the engine's decode step --------------------------------------------------------
+def test_every_storage_decodes_in_the_pool_and_reports_the_bytes_it_holds(model, ids):
+    """Each storage's full cache in a one-row pool: steps timed, bytes as held (int's codes, scales and raw
+    windows), fewer than the model dtype's for every quantizing storage at 200 tokens, fewer as bits drop."""
+    from evalkit.bench.quantized_engine import storage_decode
+    from evalkit.kv.storage import make_storage
+
+    names = ("none", "fp8_e4m3", "int8", "int4", "int2")
+    small = {"group": 16, "residual": 32}  # the tiny model's heads are 16 wide
+    storages = {n: make_storage(n, **(small if n.startswith("int") else {})) for n in names}
+    rows = storage_decode(model, ids, 4, rounds=2, storages=storages)
+    assert [r["storage"] for r in rows] == list(names)
+    by = {r["storage"]: r for r in rows}
+    assert all(r["steps"] == 4 and r["step_ms"] > 0 for r in rows) and by["none"]["vs_none"] == 1.0
+    held = [by[n]["kv_bytes"] for n in names]
+    assert held[0] > max(held[1:]) and held[2] > held[3] > held[4]  # fewer bits, fewer bytes
+    assert by["fp8_e4m3"]["kv_vs_none"] < 0.3  # float32 codes to one byte, plus the scales

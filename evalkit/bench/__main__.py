@@ -28,6 +28,7 @@ MEASUREMENTS = {
     "rivals": "rivals",  # every method beside SnapStream at 4k: prefill cost and decode tok/s (issue 33)
     "serving": "serving",  # `make serve`'s engine under concurrent HTTP clients on 127.0.0.1
     "quantized": "quantized",  # KV storage: fp8's dequantization per decode step beside bf16, 4k and 16k
+    "quantized_engine": "quantized_engine",  # every storage (int too) in the engine's pool, 4k and 16k
     "eviction_16k": "eviction_16k",  # opt-in (--only): a 16k prefill per method takes minutes on CPU
 }
 OPT_IN = {"eviction_16k"}  # left out of the default run
