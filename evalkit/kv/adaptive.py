@@ -52,8 +52,8 @@ class Adaptive(KVMethod):
         if inner.ring or inner.evictor is not Evictor or not inner.budget_applies:
             raise ValueError(
                 f"{self.name}: inner must be a prefill method whose decode appends (snapkv, "
-                f"expected_attention, knorm, keydiff, tova, kvzip), got {inner.describe()['name']}: a ring or "
-                "a decode-time method would move a head's entries across slots while decoding"
+                f"expected_attention, knorm, keydiff, tova, kvzip), got {inner.describe()['name']}: a ring "
+                "or a decode-time method would move a head's entries across slots while decoding"
             )
         self.inner = replace(inner, budget=self.budget)  # the inner's own checks, at this budget
 
@@ -120,7 +120,9 @@ class AdaKV(Adaptive):
     def __post_init__(self):
         super().__post_init__()
         if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"{self.name}: alpha must be in [0, 1] (the share each head keeps), got {self.alpha}")
+            raise ValueError(
+                f"{self.name}: alpha must be in [0, 1] (the share each head keeps), got {self.alpha}"
+            )
 
     def floor(self) -> int:
         """Top-K entries every head keeps: kvpress's `n_safe` (at least 1 when alpha > 0) less the entries

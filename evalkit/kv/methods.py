@@ -82,7 +82,7 @@ class KVMethod:
         return self.budget
 
     def top_slots(self, shape: Shape) -> int:
-        """Top-K slots per row: the top-K block, or (adaptive budgets) the most one head of one layer keeps."""
+        """Top-K slots per row: the top-K block, or (adaptive budgets) the most one head of a layer keeps."""
         return self.blocks()[2]
 
     def place(self, pos, scores, rows, layer: int, shape: Shape, agree: select.Agree) -> None:

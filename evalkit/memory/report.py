@@ -216,17 +216,21 @@ def appends(method: str) -> bool:
     return method != "full" and not method_class(group_config("method", method).get("_target_")).ring
 
 
-def run_entries(method: str, budget: int | None, prefill: int, seen: int) -> int:
+def run_entries(method: str, budget: int | None, prefill: int, seen: int, shape) -> int:
     """Slots an evalkit cache holds after `seen` tokens of which its prefill compressed `prefill`: fixed-size
     caches hold B (static shape: a ring the question, answers and later turns pass through), full every
     token, an appending method (snapkv, the rival prefill methods) min(prefill, B) and every token fed after
     the prefill. Query-aware, the prefill is the whole prompt; query-agnostic, the context alone (the
     question is fed after it); in a multi-question conversation the context, with every later question and
-    answer appended."""
+    answer appended. Head- and layer-adaptive budgets hold the slots of their largest head and layer in
+    every head (`KVMethod.slots` of the model's `shape`, `evalkit.kv.layout.Shape`) instead of B: what their
+    buffers hold (a ragged layout's bytes are `kv.peak_ragged_bytes`)."""
     if method == "full":
         return seen
     if appends(method):
-        return min(prefill, int(budget)) + (seen - prefill)
+        from evalkit.kv.config import make_method
+
+        return min(prefill, make_method(method, budget=int(budget)).slots(shape)) + (seen - prefill)
     return int(budget)
 
 
@@ -248,7 +252,10 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
             if kv.get("peak_seen_tokens") is not None:
                 # a metrics.json from before `peak_prefill_tokens`: the prompt was the prefill (query-aware)
                 source, prefill = "lengths", kv.get("peak_prefill_tokens") or kv["peak_prompt_tokens"]
-                entries = run_entries(method, budget, int(prefill), int(kv["peak_seen_tokens"]))
+                from evalkit.kv.layout import Shape
+
+                shape = Shape(geo.cached_heads, geo.layers)
+                entries = run_entries(method, budget, int(prefill), int(kv["peak_seen_tokens"]), shape)
             elif method in FIXED_SIZE:
                 source, entries = "budget", int(budget)
             else:  # an older metrics.json without lengths: a growing cache cannot be predicted, only echoed

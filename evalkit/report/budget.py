@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from evalkit.config import CONF_DIR, group_config
 from evalkit.kv.config import method_class
+from evalkit.kv.layout import Shape
 from evalkit.memory.model import MemoryReportError, ModelSpec, model_spec
 from evalkit.memory.report import kv_storage, run_entries
 from evalkit.memory.sim import Deployment, Hardware
@@ -178,7 +179,8 @@ def memory_row(
     `comp_lengths`: the compressed run's cache_lengths (what its prefill compressed of each request)."""
     prefill, prompt, seen, basis = context_of(full, full_rows, comp_lengths)
     spec, spec_full = spec_of(full, deploy, storage_of(comp)), spec_of(full, deploy)
-    entries, ring = run_entries(comp.method, comp.budget, prefill, seen), ring_of(comp)
+    shape = Shape(spec.kv.cached_heads, spec.kv.layers)  # adaptive budgets: their largest head's slots
+    entries, ring = run_entries(comp.method, comp.budget, prefill, seen, shape), ring_of(comp)
     kv = comp.metrics.kv
     row = {
         "context_tokens": seen,

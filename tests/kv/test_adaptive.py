@@ -148,7 +148,9 @@ def test_pyramidkv_selection_matches_float64_reference(beta, spy):  # noqa: F811
         assert held == want, (layer, [sorted(a ^ b) for a, b in zip(held, want)])
         kept.append(len(held[0]))
     assert sum(kept) == 5 * method.budget  # the uniform budget's total over layers
-    assert kept == ([60, 50, 40, 30, 20] if beta == 2 else [40] * 5), kept  # min = budget / beta, max = 2b - min
+    assert kept == ([60, 50, 40, 30, 20] if beta == 2 else [40] * 5), (
+        kept
+    )  # min = budget / beta, max = 2b - min
 
 
 @pytest.mark.parametrize("budget, beta", [(40, 2), (64, 3), (256, 20), (1000, 7), (333, 4), (50, 1)])
@@ -178,7 +180,9 @@ def test_ragged_bytes_count_what_each_head_holds():
     layers, heads = 2, 2
     assert got["snapkv"]["ragged_bytes"] == got["snapkv"]["bytes"] == layers * heads * 40 * entry
     assert got["adakv"]["ragged_bytes"] == layers * heads * 40 * entry  # the uniform total
-    assert got["adakv"]["bytes"] == layers * heads * got["adakv"]["slots"] * entry > got["adakv"]["ragged_bytes"]
+    assert (
+        got["adakv"]["bytes"] == layers * heads * got["adakv"]["slots"] * entry > got["adakv"]["ragged_bytes"]
+    )
 
 
 METHODS = [ADA[0], ADA[2], PyramidKV(budget=40, beta=2, inner=SnapKV(window=W, pool_kernel=KERNEL))]
@@ -296,7 +300,10 @@ def test_uniform_methods_read_one_mask_per_row():
         (dict(inner={"_target_": "evalkit.kv.H2O"}), "inner must be a prefill method whose decode"),
         (dict(alpha=1.5), "alpha must be in [0, 1]"),
         (dict(budget=0), "budget must be > 0"),
-        (dict(budget=16, inner={"_target_": "evalkit.kv.SnapKV", "window": 32}), "window must be in [1, budget]"),
+        (
+            dict(budget=16, inner={"_target_": "evalkit.kv.SnapKV", "window": 32}),
+            "window must be in [1, budget]",
+        ),
     ],
 )
 def test_invalid_settings_fail_at_construction(settings, message):

@@ -11,6 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from evalkit.config import compose
+from evalkit.kv.layout import Shape
 from evalkit.memory import (
     Deployment,
     Hardware,
@@ -354,8 +355,9 @@ def test_every_method_is_predicted_by_its_cache_kind(tmp_path):
         write_run(tmp_path, f"m/{method}/{budget}", method, budget, entries, SMOL_BYTES_PER_ENTRY * entries)
     rows, notes = measured_rows(tmp_path)
     assert not notes and len(rows) == 4 and all(r["match"] for r in rows), (rows, notes)
-    assert run_entries("expected_attention", 256, prefill=100, seen=164) == 164  # a prompt within the budget
-    assert run_entries("snapkv_decode", 256, prefill=2000, seen=2064) == 256
+    smol = Shape(3, 30)  # SmolLM2-135M: 3 KV heads, 30 layers (adaptive budgets size slots by them)
+    assert run_entries("expected_attention", 256, prefill=100, seen=164, shape=smol) == 164  # within budget
+    assert run_entries("snapkv_decode", 256, prefill=2000, seen=2064, shape=smol) == 256
 
 
 def test_measured_mismatch_is_flagged(tmp_path):
