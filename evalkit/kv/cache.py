@@ -398,11 +398,12 @@ class KVCache(Cache):
         if self.rows is None or self.layers[0].keys is None:
             return []
         rows, used = self.rows, self._in_use()
-        kept = self._kept()
-        slots = self._row_slots(kept)
+        valid = self._kept()  # slots holding an entry of some head
+        slots = self._row_slots(valid)
+        kept = self.slot_mask.kept(self, valid, used)  # entries per layer and head (adaptive: their mean)
         lengths = torch.tensor(rows.lengths, dtype=torch.int32, device=rows.valid.device)
         kept_generated = (self.layers[0].pos[:, 0, :used] >= lengths[:, None]).sum(1).tolist()
-        per_slot = sum(lay.entry_bytes() for lay in self.layers) // len(kept)  # one row, all layers, K and V
+        per_slot = sum(lay.entry_bytes() for lay in self.layers) // len(valid)  # one row, all layers, K and V
         scales = sum(lay.row_scale_bytes() for lay in self.layers)  # one row's, all layers: codes' scales
         ragged = sum(  # (B,) bytes of the entries held, head by head: one sync, at report time
             (lay.pos[:, :, :used] >= 0).sum((1, 2)) * (lay.entry_bytes() // lay.pos[:, :, 0].numel())

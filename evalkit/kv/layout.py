@@ -126,6 +126,10 @@ class SharedSlots:
     def mask(self, layer, shared: torch.Tensor | None, width: int) -> torch.Tensor | None:
         return shared
 
+    def kept(self, cache, valid: list[int], used: int) -> list[int]:
+        """Entries kept per row, layer and head: the valid slots (every head holds one in each)."""
+        return valid
+
 
 class OwnSlots:
     """Heads or layers keep different counts (head- and layer-adaptive budgets) in fixed-shape buffers sized
@@ -134,6 +138,13 @@ class OwnSlots:
     def mask(self, layer, shared: torch.Tensor | None, width: int) -> torch.Tensor:
         own = layer.pos[:, :, None, :width] >= 0  # (B, H, 1, S): a decode step's slot is written before
         return own if shared is None else own & shared
+
+    def kept(self, cache, valid: list[int], used: int) -> list[int]:
+        """Entries kept per row, as the mean over layers and heads (the uniform budget's count: a layer of
+        AdaKV keeps H x budget, PyramidKV's layers L x budget), not the slots any head uses."""
+        held = sum((lay.pos[:, :, :used] >= 0).sum((1, 2)) for lay in cache.layers)  # (B,)
+        heads = cache.layers[0].pos.shape[1] * len(cache.layers)
+        return (held // heads).tolist()
 
 
 SHARED = SharedSlots()  # frozen: no state, one for every uniform method

@@ -327,3 +327,22 @@ def test_confs_make_the_methods_and_refuse_tensor_parallelism(name):
     facts = RunFacts(model_name="m", mla=False, followup=False, compile=False, tp=2)
     assert "tensor parallelism is not supported" in method.refusal(facts)
     assert method.refusal(RunFacts(model_name="m", mla=False, followup=False, compile=False, tp=1)) is None
+
+
+def test_a_run_records_both_byte_figures_and_the_memory_report_models_the_buffers(tmp_path):
+    """`python -m evalkit method=adakv_snapkv` on the tiny model: metrics.json holds the buffers' bytes
+    (`peak_bytes`, the largest head's slots in every head) and the ragged figure beside them (less), its
+    kept entries per head are the budget's plus the decoded tokens, and evalkit.memory's prediction from
+    lengths (the method's slots for the model's heads) equals the measured bytes and entries."""
+    from evalkit import metrics as metrics_record
+    from evalkit.memory.report import measured_rows
+    from tests.conftest import fresh_run, the_run
+
+    run = ["model=tiny_llama", "model.max_new_tokens=6", "task.load.n=1", "task.load.lengths=[1024]"]
+    fresh_run(*run, "method=adakv_snapkv", "method.budget=64", results=tmp_path)
+    kv = metrics_record.load(the_run(tmp_path, "adakv_snapkv", "64") / "metrics.json", strict=False).kv
+    assert kv["peak_ragged_bytes"] < kv["peak_bytes"]
+    # 64 per head + the decoded tokens (6, the last one never written), out of 96 slots + those tokens
+    assert kv["mean_kept_entries"] == 64 + 5 and kv["peak_entries"] == 96 + 5
+    rows, notes = measured_rows(tmp_path)
+    assert not notes and [r["match"] for r in rows] == [True], rows
