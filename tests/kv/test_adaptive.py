@@ -215,6 +215,20 @@ def test_compiled_step_is_one_graph_equal_to_eager(method):
     assert (counting.compiled, counting.runs) == (1, 29)
 
 
+@pytest.mark.slow  # inductor compiles on CPU (~1 min each)
+@pytest.mark.parametrize("method", METHODS[::2], ids=IDS[::2])
+def test_inductor_step_equals_eager_over_rows_of_different_lengths(method):
+    from tests.kv.test_batched import left_pad
+
+    model = tiny_model("llama", seed=1)
+    ids, mask, _ = left_pad([prompt(seed=3, n=n)[0] for n in (150, 97)])
+    counting = Counting("inductor")
+    assert_same_generation(
+        gen(model, ids, method, mask, backend=counting), gen(model, ids, method, mask), 1e-4
+    )
+    assert (counting.compiled, counting.runs) == (1, 29)
+
+
 def test_engine_equals_dynamic_cache():
     """The dynamic cache (per-head mask, transformers' sdpa over query heads) and the engine's slot pool
     (per-KV-head mask in the packed decode attention) give the same tokens."""
