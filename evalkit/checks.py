@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from evalkit.config import ConfigError, check_choice
+from evalkit.errors import EvalkitError
 from evalkit.kv.cache import NONE
 from evalkit.kv.methods import RunFacts
 from evalkit.kv.storage import KVStorage
@@ -209,17 +210,27 @@ def run_facts(
     return RunFacts(model_name, mla, followup, bool(compile), tp, task)
 
 
-def check_methods(methods: list, facts: RunFacts, storage: KVStorage = NONE) -> None:
+def check_methods(methods: list, facts: RunFacts, storage: KVStorage = NONE, model_cfg=None) -> None:
     """What each method refuses in this run, then what the run's KV storage refuses to hold for it (int
-    storage with a method that overwrites chosen slots, or on MLA; fp8's per-tensor scale under TP)."""
+    storage with a method that overwrites chosen slots, on MLA, or a ring budget of partial key groups; fp8's
+    per-tensor scale under TP), and whether it can code this model's heads (`model_cfg`, when given)."""
     for method in methods:
         if (why := method.refusal(facts)) is not None:
             raise ConfigError(why)
     for method in methods:
         if (why := storage.refusal(method, facts)) is not None:
             raise ConfigError(why)
-    if (why := storage.slot_refusal()) is not None:
-        raise ConfigError(why)
+    if model_cfg is not None and not facts.mla:
+        from evalkit.memory.model import kv_geometry
+
+        try:
+            geometry = kv_geometry(model_cfg, "float32")
+        except EvalkitError:  # a config the memory model cannot read: the storage checks the heads it gets
+            return
+        try:
+            storage.check_widths(geometry.key_width, geometry.value_width)
+        except ValueError as e:  # e.g. a value group wider than this model's heads
+            raise ConfigError(f"{e}: set kv.group") from None
 
 
 def check_model(plans: list, model_cfg, context: int, tp: int = 1) -> None:
@@ -229,7 +240,7 @@ def check_model(plans: list, model_cfg, context: int, tp: int = 1) -> None:
     check_tp(p.cfg.model.name, model_cfg, tp)
     followup = has_followup(p.cfg, p.task_module)
     facts = run_facts(p.cfg.model.name, model_cfg, p.cfg.compile, followup, tp, p.cfg.task.name)
-    check_methods([q.method for q in plans], facts, p.storage)
+    check_methods([q.method for q in plans], facts, p.storage, model_cfg)
 
 
 # --- lm_eval --model evalkit --------------------------------------------------------------------------------
@@ -242,4 +253,4 @@ def check_lm(spec, method, compile: bool, query_aware, multi_question, storage: 
     if (why := run_setting_problem(query_aware, multi_question)) is not None:
         raise ConfigError(why)
     model_cfg = model_config(spec, resolve_source(spec))
-    check_methods([method], run_facts(spec.name, model_cfg, compile, followup=False), storage)
+    check_methods([method], run_facts(spec.name, model_cfg, compile, followup=False), storage, model_cfg)

@@ -170,6 +170,7 @@ def _headline_records(runs: list[Run], pairings: dict, hardware: list[str]) -> p
                 "metric": run.headline,
                 "budget": run.budget,
                 "run": run.rel,
+                "reference": run.is_full,
                 "score": score.get("mean"),
                 "n": score.get("n"),
                 "full": (score if run.is_full else full).get("mean"),
@@ -192,7 +193,7 @@ def wide_table(runs: list[Run], pairings: dict, hardware: list[str]) -> pd.DataF
     if not runs:
         return pd.DataFrame(columns=WIDE_INDEX + ["full"])
     df = _headline_records(runs, pairings, hardware)
-    reference = (df.method == "full") & (df.storage == "none")  # the full cache in a quantized storage is
+    reference = df.pop("reference").astype(bool)  # `Run.is_full`: a full cache in a quantized storage is
     fulls = df[reference][WIDE_INDEX + ["full", "full_n"]]  # a compressed row, its budget column `all`
     comp = df[~reference].assign(budget=[-1 if pd.isna(b) else b for b in df[~reference].budget])
     if comp.empty:

@@ -25,6 +25,7 @@ MEASUREMENTS = {
     "bucketed": "bucketed",  # the full cache in the engine's pool, attending over buckets (issue 35)
     "grading": "grading",
     "eviction": "eviction",
+    "rivals": "rivals",  # every method beside SnapStream at 4k: prefill cost and decode tok/s (issue 33)
     "serving": "serving",  # `make serve`'s engine under concurrent HTTP clients on 127.0.0.1
     "quantized": "quantized",  # KV storage: fp8's dequantization per decode step beside bf16, 4k and 16k
     "eviction_16k": "eviction_16k",  # opt-in (--only): a 16k prefill per method takes minutes on CPU

@@ -101,8 +101,8 @@ def bucketed_full(
     per_round = max(2, n_steps // rounds)
     for _ in range(rounds):
         for mode in MODES:
-            pooled = mode != "eager"
-            ts, token[mode], toks = steps(forwards[mode], caches[mode], token[mode], per_round, pooled)
+            cache = caches[mode]
+            ts, token[mode], toks = steps(forwards[mode], cache, token[mode], per_round, cache.pooled)
             times[mode] += ts[1:]
             tokens[mode] += toks
     graphs = counters["stats"]["unique_graphs"] - graphs

@@ -156,9 +156,10 @@ class KVLayer(CacheLayerMixin):
         )
         return b * h * width
 
-    def row_scale_bytes(self) -> int:
-        """Bytes of the storage's per-row tensors (scales) of one batch row (0 for `kv=none`)."""
-        return sum(s[0].numel() * s.element_size() for s in self.scales)
+    def row_scale_bytes(self, r: int = 0) -> int:
+        """Bytes of the storage's per-row tensors (scales, a raw window) batch row r holds (0 for
+        `kv=none`)."""
+        return self.cache.storage.row_bytes(self, r)
 
     def held(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot's K/V in the model dtype (B, H, cap, D): what attention reads, dequantized."""
@@ -365,13 +366,13 @@ class KVCache(Cache):
             {
                 **{k: total[k] for k in ("seen", "kept", "evicted")},
                 "layer": i,
-                "bytes": lay.entry_bytes() * used + lay.row_scale_bytes() * len(rows),
+                "bytes": lay.entry_bytes() * used + sum(lay.row_scale_bytes(r) for r in range(len(rows))),
             }
             for i, lay in enumerate(self.layers)
             if lay.keys is not None
         ]
         reserved = sum(
-            lay.entry_bytes() * lay.keys.shape[2] + lay.row_scale_bytes() * len(rows)
+            lay.entry_bytes() * lay.keys.shape[2] + sum(lay.row_scale_bytes(r) for r in range(len(rows)))
             for lay in self.layers
             if lay.keys is not None
         )
@@ -404,7 +405,8 @@ class KVCache(Cache):
         lengths = torch.tensor(rows.lengths, dtype=torch.int32, device=rows.valid.device)
         kept_generated = (self.layers[0].pos[:, 0, :used] >= lengths[:, None]).sum(1).tolist()
         per_slot = sum(lay.entry_bytes() for lay in self.layers) // len(valid)  # one row, all layers, K and V
-        scales = sum(lay.row_scale_bytes() for lay in self.layers)  # one row's, all layers: codes' scales
+        # each row's per-row tensors, all layers: codes' scales, a raw window
+        scales = [sum(lay.row_scale_bytes(r) for lay in self.layers) for r in range(len(valid))]
         ragged = sum(  # (B,) bytes of the entries held, head by head: one sync, at report time
             (lay.pos[:, :, :used] >= 0).sum((1, 2)) * (lay.entry_bytes() // lay.pos[:, :, 0].numel())
             for lay in self.layers
@@ -416,8 +418,8 @@ class KVCache(Cache):
                 "evicted": seen - kept[r],
                 "evicted_generated": seen - length - kept_generated[r],
                 "slots": slots[r],
-                "bytes": per_slot * slots[r] + scales,
-                "ragged_bytes": ragged[r] + scales,
+                "bytes": per_slot * slots[r] + scales[r],
+                "ragged_bytes": ragged[r] + scales[r],
             }
             for r, (seen, length) in enumerate(zip(rows.next_pos.tolist(), rows.lengths))
         ]

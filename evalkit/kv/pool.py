@@ -129,8 +129,7 @@ class SlotPool(StaticKVCache):
             mine.keys[r, :, :n].copy_(theirs.keys[0, :, :n])
             mine.values[r, :, :n].copy_(theirs.values[0, :, :n])
             mine.pos[r, :, :n].copy_(theirs.pos[0, :, :n])
-            for held, given in zip(mine.scales, theirs.scales):
-                held[r].copy_(given[0])
+            mine.scales = tuple(_took(held, given, r) for held, given in zip(mine.scales, theirs.scales))
         rows, state = self.rows, self.state
         rows.valid[r].fill_(False)
         rows.valid[r, :n].copy_(src.rows.valid[0, :n])
@@ -211,3 +210,17 @@ class SlotPool(StaticKVCache):
     def _in_use(self) -> int:
         """Every slot of every row (rows of append methods fill theirs at their own pace)."""
         return self.capacity
+
+
+def _took(held: torch.Tensor, given: torch.Tensor, r: int) -> torch.Tensor:
+    """A per-row storage tensor (B, ...) with row r taking the one-row `given` (1, ...) in its leading corner;
+    grown first (new tensor, contents kept, pinned) where `given` is larger (a wider raw window: a
+    quantizing storage's row of a larger ring). A compiled step sees a new shape and compiles once more."""
+    shape = [max(a, b) for a, b in zip(held.shape[1:], given.shape[1:])]
+    if shape != list(held.shape[1:]):
+        grown = held.new_ones(held.shape[0], *shape)  # rows that never use the new part: finite
+        grown[(slice(None), *(slice(0, n) for n in held.shape[1:]))] = held
+        pin(grown)
+        held = grown
+    held[(r, *(slice(0, n) for n in given.shape[1:]))] = given[0]
+    return held

@@ -44,6 +44,10 @@ class Scored(KVMethod):
     def window(self) -> int:  # the prompt queries a shared prefill keeps for the scorer
         return self.scorer().queries
 
+    @property
+    def records_score(self) -> bool:  # a shared prefill keeps the scorer's score, not the queries
+        return self.scorer().records_score
+
     def scorer(self):
         raise NotImplementedError
 
@@ -166,6 +170,10 @@ class Ringed(KVMethod):
     @property
     def window(self) -> int:  # the prompt queries a shared prefill keeps for the scorer
         return self.scorer.queries
+
+    @property
+    def records_score(self) -> bool:  # a shared prefill keeps the scorer's score, not the queries
+        return self.scorer.records_score
 
     def blocks(self) -> tuple[int, int, int]:
         return self.sink, self.recent, self.budget - self.sink - self.recent

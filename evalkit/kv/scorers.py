@@ -70,6 +70,9 @@ class Scorer:
 
     name: ClassVar[str]
     queries: ClassVar[int] = 0  # prompt queries (its last ones) a shared prefill must keep for this scorer
+    # True: budget-free and reading every prompt query (expected attention's statistics): a shared prefill
+    # keeps the score per entry (`PrefillRecord.hints`), not the queries (`KVMethod.records_score`)
+    records_score: ClassVar[bool] = False
 
     def __call__(self, view: PrefillView) -> torch.Tensor:
         raise NotImplementedError
@@ -178,7 +181,9 @@ class ExpectedAttentionScore(Scorer):
     covariance: bool = True
     value_norm: bool = True
     epsilon: float = 0.0
-    queries: ClassVar[int] = 1 << 30  # every prompt query: a shared prefill keeps them all
+    # every prompt query: a shared prefill keeps this score per entry (B, H, T) float32 instead of the
+    # prompt's queries (B, H_q, T, D), and a replayed prefill reads it back as `view.hint`
+    records_score: ClassVar[bool] = True
 
     def refusal(self, facts, method: str) -> str | None:
         if facts.mla:
@@ -189,6 +194,8 @@ class ExpectedAttentionScore(Scorer):
         return None
 
     def __call__(self, view: PrefillView) -> torch.Tensor:
+        if view.hint is not None:  # a replayed prefill: the recording prefill's score
+            return view.hint
         if view.rope is None:
             raise ValueError("expected_attention needs the model's rotary embedding (RoPE positions)")
         b, h_q, t, d = view.query.shape

@@ -141,11 +141,12 @@ def accumulated_attention(query, keys, pad: torch.Tensor, scaling: float) -> tor
     step = max(1, _MAX_SCORE_ELEMENTS // max(1, b * h_q * t))
     for r0 in range(0, t, step):  # prefill only: bounded memory, not a per-step loop
         rows = cols[r0 : r0 + step]  # (c,) query columns of this chunk
-        seen = real[:, None, :] & (cols[None, None, :] <= rows[None, :, None])  # (B, c, T)
-        logits = torch.matmul(q[:, :, :, r0 : r0 + step], k.transpose(-1, -2)) * scaling  # (B, H, g, c, T)
+        e = r0 + rows.numel()  # causal: this chunk's queries see keys [0, e) only, the rest is never computed
+        seen = real[:, None, :e] & (cols[None, None, :e] <= rows[None, :, None])  # (B, c, e)
+        logits = torch.matmul(q[:, :, :, r0:e], k[..., :e, :].transpose(-1, -2)) * scaling  # (B, H, g, c, e)
         logits = logits.masked_fill_(~seen[:, None, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a pad query's row is all -inf: adds 0
-        out += probs.sum(dim=3)
+        out[..., :e] += probs.sum(dim=3)
     return out.mean(dim=2)
 
 

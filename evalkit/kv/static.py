@@ -120,9 +120,7 @@ class StaticKVCache(KVCache):
         # index_put_ (not scatter_): inductor writes it in place into the buffers; a scatter it would apply to
         # a copy of each buffer and copy back, moving the whole cache twice per layer and step
         index = self.evictor.write_index(self, layer)
-        k, v = self.storage.store(layer, k, v)  # as the buffers hold them (codes for a quantizing storage)
-        layer.keys[index] = k[:, :, 0]  # (B, H, D_k)
-        layer.values[index] = v[:, :, 0]
+        self.storage.write(layer, index, k, v)  # as the storage holds them (codes, a raw window)
         layer.pos[index] = self.state.pos[:, None]  # (B, 1) -> (B, H)
         return self.read(layer)
 

@@ -185,8 +185,9 @@ def _sharding(sharding: Sharding, per_gpu: list[dict]) -> str:
 
 LAYOUT_NOTE = """\
 Per GPU = the largest rank (torch gives rank 0 ceil(n / tp) of a split dimension). KV GiB is what one GPU
-holds for one request whose cache holds `entries` slots per layer and head (full: context + decode; snapstream
-and streamingllm: the budget; snapkv: budget + decode), the same bytes a run records per rank. Weights: the
+holds for one request whose cache holds `entries` slots per layer and head (full: context + decode; a
+fixed-size cache, snapstream, streamingllm, h2o, ...: the budget; an appending one, snapkv, knorm, ...:
+budget + decode), the same bytes a run records per rank. Weights: the
 decoder layers' matrices in model.weight_dtype, embeddings, lm_head, norms and routers in model.other_dtype;
 fp8 block scales, buffers, activations, the CUDA context and allocator slack are not counted: keep a few GiB
 free. requests/GPU = HBM left after the weights / KV of one request."""
@@ -257,9 +258,12 @@ ASSUMPTIONS = """\
 - **Units.** Capacities are binary (MiB, GiB = 2^30 bytes), bandwidths decimal (TB/s = 10^12 bytes/s), as
   vendors quote them.
 - **KV entries per sequence** (per layer and KV head, at the end of decoding): `full` keeps context +
-  decode tokens; `snapstream` and `streamingllm` keep exactly B (a static, padded cache: its size does
-  not depend on the length); `snapkv` keeps B after prefill compression and then appends every generated
-  token like `full` (as in the SnapKV paper), so its cache grows with decode_len. `context` is the
+  decode tokens; a fixed-size method (`snapstream`, `streamingllm`, the decode-time evictors `h2o`,
+  `tova_decode`, `snapkv_decode`, the `*_ring` rivals) keeps exactly B (a static, padded cache: its size
+  does not depend on the length); an appending one (`snapkv`, `knorm`, `keydiff`, `tova`,
+  `expected_attention`, `kvzip`) keeps B after prefill compression and then appends every generated token
+  like `full` (as in the SnapKV paper), so its cache grows with decode_len. Each follows from the method's
+  class, as the runner sizes its caches. `context` is the
   sequence length the paper's Table 5 quotes (decode_len 0 by default); a budget above a context length
   is skipped for that length.
 - **Weights.** Counted from the config (embeddings, attention, gated MLPs or MoE experts, norms; no biases

@@ -13,7 +13,15 @@ from omegaconf import OmegaConf
 from evalkit import metrics as metrics_record
 from evalkit.memory.model import MemoryReportError, kv_geometry, load_hf_config, model_spec
 from evalkit.memory.sharding import Sharding, shard_model
-from evalkit.memory.sim import METHOD_ALIASES, Deployment, GiB, Hardware, canonical_method, kv_entries
+from evalkit.memory.sim import (
+    METHOD_ALIASES,
+    Deployment,
+    GiB,
+    Hardware,
+    canonical_method,
+    kv_entries,
+    method_of,
+)
 from evalkit.memory.validate import validate
 
 log = logging.getLogger(__name__)
@@ -26,7 +34,6 @@ PAPER_TABLE5 = [
     (32768, 8192, 64, 256, 1832, 7903),
 ]
 PAPER_MTP = 2.4  # the paper's multi-token-prediction factor, included in its tok/s
-FIXED_SIZE = ("snapstream", "streamingllm")  # caches whose size is the budget, whatever the length
 
 
 def hf_config_of(m: dict) -> dict:
@@ -129,7 +136,7 @@ def row(dep: Deployment, cfg: dict, context: int, method: str, budget: int | Non
     """One configuration: KV sizes, capacity-limited and reservation-calibrated max batch, placement and
     throughput at the configured batch ("max" = the capacity-limited max batch), SRAM tile."""
     decode, method = cfg["decode_len"], canonical_method(method)
-    entries = kv_entries(method, budget, context, decode)
+    entries = kv_entries(method, budget, context, decode, dep.spec.kv.shape)
     max_batch = dep.max_batch(entries)
     max_batch_cal = dep.max_batch(entries, kv_reserve_bytes(cfg))
     batch = max_batch if cfg["batch"] == "max" else _batch(cfg["batch"])
@@ -141,7 +148,7 @@ def row(dep: Deployment, cfg: dict, context: int, method: str, budget: int | Non
         "context": context,
         "decode": decode,
         "method": method,
-        "budget": None if method == "full" else budget,
+        "budget": budget if method_of(method).budget_applies else None,
         "kv_entries": entries,
         "kept_fraction": entries / (context + decode),  # kept / seen
         "kv_bytes_per_token": dep.model.kv.bytes_per_entry,
@@ -165,7 +172,7 @@ def sweep_rows(dep: Deployment, cfg: dict) -> tuple[list[dict], list[str]]:
     context (a grid naturally has such cells) but one above every context is an error."""
     rows, skipped = [], []
     for method in cfg["methods"]:
-        budgets = [None] if canonical_method(method) == "full" else list(cfg["budgets"])
+        budgets = list(cfg["budgets"]) if method_of(method).budget_applies else [None]
         for budget in budgets:
             fits = [c for c in cfg["context_lens"] if budget is None or budget <= c]
             if not fits:
@@ -207,31 +214,19 @@ def paper_check(dep: Deployment, cfg: dict) -> list[dict[str, Any]]:
     return out
 
 
-def appends(method: str) -> bool:
-    """The method keeps a selection of its prompt, then appends every decoded token (its class is not a
-    fixed-size ring: snapkv and the rival prefill methods knorm, keydiff, tova, expected_attention, kvzip)."""
-    from evalkit.config import group_config
-    from evalkit.kv.config import method_class
-
-    return method != "full" and not method_class(group_config("method", method).get("_target_")).ring
-
-
 def run_entries(method: str, budget: int | None, prefill: int, seen: int, shape) -> int:
-    """Slots an evalkit cache holds after `seen` tokens of which its prefill compressed `prefill`: fixed-size
-    caches hold B (static shape: a ring the question, answers and later turns pass through), full every
-    token, an appending method (snapkv, the rival prefill methods) min(prefill, B) and every token fed after
-    the prefill. Query-aware, the prefill is the whole prompt; query-agnostic, the context alone (the
-    question is fed after it); in a multi-question conversation the context, with every later question and
-    answer appended. Head- and layer-adaptive budgets hold the slots of their largest head and layer in
-    every head (`KVMethod.slots` of the model's `shape`, `evalkit.kv.layout.Shape`) instead of B: what their
-    buffers hold (a ragged layout's bytes are `kv.peak_ragged_bytes`)."""
-    if method == "full":
-        return seen
-    if appends(method):
-        from evalkit.kv.config import make_method
+    """Slots an evalkit cache holds after `seen` tokens of which its prefill compressed `prefill`, as the
+    runner sizes it (`slots_needed` of the method object): fixed-size caches hold B (static shape: a ring the
+    question, answers and later turns pass through), full every token, an appending method (snapkv, the
+    rival prefill methods) min(prefill, B) and every token fed after the prefill. Query-aware, the prefill is
+    the whole prompt; query-agnostic, the context alone (the question is fed after it); in a multi-question
+    conversation the context, with every later question and answer appended. Head- and layer-adaptive
+    budgets hold the slots of their largest head and layer in every head (`KVMethod.slots` of the model's
+    `shape`, `evalkit.kv.layout.Shape`): what their buffers hold (a ragged layout's bytes:
+    `kv.peak_ragged_bytes`)."""
+    from evalkit.kv.layout import slots_needed
 
-        return min(prefill, make_method(method, budget=int(budget)).slots(shape)) + (seen - prefill)
-    return int(budget)
+    return slots_needed(method_of(method, budget), prefill, seen - prefill, shape)
 
 
 def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
@@ -252,11 +247,8 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
             if kv.get("peak_seen_tokens") is not None:
                 # a metrics.json from before `peak_prefill_tokens`: the prompt was the prefill (query-aware)
                 source, prefill = "lengths", kv.get("peak_prefill_tokens") or kv["peak_prompt_tokens"]
-                from evalkit.kv.layout import Shape
-
-                shape = Shape(geo.cached_heads, geo.layers)
-                entries = run_entries(method, budget, int(prefill), int(kv["peak_seen_tokens"]), shape)
-            elif method in FIXED_SIZE:
+                entries = run_entries(method, budget, int(prefill), int(kv["peak_seen_tokens"]), geo.shape)
+            elif method_of(method, budget).ring:  # a fixed-size cache: its budget
                 source, entries = "budget", int(budget)
             else:  # an older metrics.json without lengths: a growing cache cannot be predicted, only echoed
                 source, entries = "measured", peak_entries

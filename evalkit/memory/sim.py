@@ -18,33 +18,52 @@ TB, GB = 10**12, 10**9  # ... bandwidths decimal (as vendors quote them)
 
 # `full` and `none` are the uncompressed cache; `streaming_llm` is the runner's spelling.
 METHOD_ALIASES = {"none": "full", "streaming_llm": "streamingllm"}
-METHODS = ("full", "snapstream", "streamingllm", "snapkv")
 ATTENTION_MAPPINGS = ("dp_attention", "tp_kv_heads", "replicated")
 
 
 def canonical_method(name: str) -> str:
-    method = METHOD_ALIASES.get(str(name).lower(), str(name).lower())
-    if method not in METHODS:
-        raise MemoryReportError(
-            f"method: unknown {name!r} (known: {', '.join(METHODS)}, none, streaming_llm)"
-        )
+    """A method of conf/method (every one the runner can run), by its conf name or an alias."""
+    from evalkit.config import choices
+
+    method, known = METHOD_ALIASES.get(str(name).lower(), str(name).lower()), choices("method")
+    if method not in known:
+        raise MemoryReportError(f"method: unknown {name!r} (known: {', '.join(known)}, none, streaming_llm)")
     return method
 
 
-def kv_entries(method: str, budget: int | None, context: int, decode: int = 0) -> int:
-    """Cache slots per layer and KV head at the end of decoding. full: every token; snapstream and
-    streamingllm: a fixed B (static shape, padded when the prompt is shorter); snapkv: B after prefill
-    compression, then every generated token is appended (as in the SnapKV paper)."""
-    method = canonical_method(method)
+def method_of(name: str, budget: int | None = None):
+    """The method object a run of conf method `name` at `budget` builds (`full` takes none): what a cache
+    holds follows from it, never from its name."""
+    from evalkit.config import ConfigError, group_config
+    from evalkit.kv.config import make_method, method_class
+
+    name = canonical_method(name)
+    takes_budget = method_class(group_config("method", name).get("_target_")).budget_applies
+    try:
+        return make_method(name, **({"budget": budget} if takes_budget and budget is not None else {}))
+    except ConfigError as e:
+        raise MemoryReportError(str(e)) from None
+
+
+def kv_entries(method: str, budget: int | None, context: int, decode: int, shape) -> int:
+    """Cache slots per layer and KV head at the end of decoding, as the runner's caches are sized
+    (`evalkit.kv.layout.slots_needed`): full: every token; a fixed-size cache (a ring, or a decode-time
+    evictor: snapstream, streamingllm, h2o, tova_decode, ...) B, padded when the prompt is shorter; an
+    appending one (snapkv and the prefill rivals) B after prefill compression, then every generated token (as
+    in the SnapKV paper)."""
+    from evalkit.kv.layout import slots_needed
+
+    name = canonical_method(method)
     if context <= 0 or decode < 0:
         raise MemoryReportError(f"context_len must be > 0 and decode_len >= 0, got {context}, {decode}")
-    if method == "full":
-        return context + decode
-    if budget is None or budget <= 0:
-        raise MemoryReportError(f"method.budget must be a positive integer for {method}, got {budget!r}")
-    if budget > context:
-        raise MemoryReportError(f"method.budget={budget} exceeds context_len={context} ({method})")
-    return budget + decode if method == "snapkv" else budget
+    obj = method_of(name)
+    if obj.budget_applies:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            raise MemoryReportError(f"method.budget must be a positive integer for {name}, got {budget!r}")
+        if budget > context:
+            raise MemoryReportError(f"method.budget={budget} exceeds context_len={context} ({name})")
+        obj = method_of(name, budget)
+    return slots_needed(obj, context, decode, shape)  # shape: the model's KV heads and layers
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ from omegaconf import OmegaConf
 
 from evalkit.config import CONF_DIR, group_config
 from evalkit.kv.config import method_class
-from evalkit.kv.layout import Shape
 from evalkit.memory.model import MemoryReportError, ModelSpec, model_spec
 from evalkit.memory.report import kv_storage, run_entries
 from evalkit.memory.sim import Deployment, Hardware
@@ -55,7 +54,7 @@ def spec_of(run: Run, deploy: dict, storage=None) -> ModelSpec:
 def storage_of(run: Run):
     """The run's KV storage as its saved config made it (`kv`: its settings, group and residual included),
     or by its recorded name; None for `none` (the deployment's kv_dtype)."""
-    if run.storage == "none":
+    if run.in_model_dtype:
         return None
     node = run.config.get("kv")
     return kv_storage(node if isinstance(node, dict) and node.get("_target_") else run.storage)
@@ -179,8 +178,8 @@ def memory_row(
     `comp_lengths`: the compressed run's cache_lengths (what its prefill compressed of each request)."""
     prefill, prompt, seen, basis = context_of(full, full_rows, comp_lengths)
     spec, spec_full = spec_of(full, deploy, storage_of(comp)), spec_of(full, deploy)
-    shape = Shape(spec.kv.cached_heads, spec.kv.layers)  # adaptive budgets: their largest head's slots
-    entries, ring = run_entries(comp.method, comp.budget, prefill, seen, shape), ring_of(comp)
+    # adaptive budgets hold their largest head's slots: the model's KV heads and layers size them
+    entries, ring = run_entries(comp.method, comp.budget, prefill, seen, spec.kv.shape), ring_of(comp)
     kv = comp.metrics.kv
     row = {
         "context_tokens": seen,

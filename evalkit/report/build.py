@@ -123,7 +123,7 @@ def memory_of(p: Pairing, hardware, settings: ReportSettings, problems: list[str
     c = p.compressed
     # the bench measures the model dtype: none of its figures is a quantized storage's
     bench = bench_speedup(benches, c.model, c.method, c.budget, row["context_tokens"])
-    return row | {f"tp_{k}": v for k, v in tp.items()} | (bench if c.storage == "none" else {})
+    return row | {f"tp_{k}": v for k, v in tp.items()} | (bench if c.in_model_dtype else {})
 
 
 def _sort_key(col: pd.Series) -> pd.Series:

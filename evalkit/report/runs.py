@@ -63,10 +63,16 @@ class Run:
         return str((record or {}).get("name") or "none") if isinstance(record, dict) else "none"
 
     @property
+    def in_model_dtype(self) -> bool:
+        """The cache held its entries in the model dtype (`kv=none`): what the bench measures and what the
+        deployment's `kv_dtype` describes; any other storage held codes."""
+        return self.storage == "none"
+
+    @property
     def is_full(self) -> bool:
         """The reference every run is paired with: the full cache in the model dtype (a full cache held in
         int4 is a compressed configuration like any other)."""
-        return self.method == "full" and self.storage == "none"
+        return self.method == "full" and self.in_model_dtype
 
     @property
     def config(self) -> dict:

@@ -64,14 +64,16 @@ def _num(v) -> bool:
 
 
 def checked(cfg: DictConfig):
-    """(settings, model spec, context, ranks): every refusal before the model loads."""
+    """(settings, model spec, context, ranks, KV storage): every refusal before the model loads."""
     from evalkit.checks import check_methods, check_tp, run_facts
     from evalkit.kv.config import make_method
+    from evalkit.kv.storage import make_storage
     from evalkit.sources import context_length, model_config, resolve_source
     from evalkit.team import Ranks
 
     settings = Settings.of(cfg)
     method = make_method(cfg.method)
+    storage = make_storage(cfg.kv)  # conf/kv/, as a run's: the slot pool holds K/V as it says
     if cfg.model.get("base_url"):
         raise ConfigError(f"model {cfg.model.name} is served elsewhere already: serve a model evalkit loads")
     ranks = Ranks.from_config(cfg)
@@ -86,12 +88,14 @@ def checked(cfg: DictConfig):
     if method.budget is not None and method.budget > context:
         raise ConfigError(f"method.budget={method.budget} is above {spec.name}'s context of {context} tokens")
     check_tp(spec.name, model_cfg, ranks.tp)
-    # what the method cannot run with (MLA, compile under TP); a served request makes no follow-up call
-    check_methods([method], run_facts(spec.name, model_cfg, cfg.compile, followup=False, tp=ranks.tp))
-    return settings, spec, context, ranks
+    # what the method cannot run with (MLA, compile under TP), what the storage cannot hold for it; a served
+    # request makes no follow-up call
+    facts = run_facts(spec.name, model_cfg, cfg.compile, followup=False, tp=ranks.tp)
+    check_methods([method], facts, storage, model_cfg)
+    return settings, spec, context, ranks, storage
 
 
-def service(cfg: DictConfig, team, settings: Settings, spec, context: int):
+def service(cfg: DictConfig, team, settings: Settings, spec, context: int, storage=None):
     """The model loaded (this rank's shard under TP) and rank 0's engine behind the service, or, on another
     TP rank, the `Follower` that mirrors it."""
     from evalkit.loading import load_model
@@ -99,7 +103,7 @@ def service(cfg: DictConfig, team, settings: Settings, spec, context: int):
 
     model, tokenizer = load_model(spec, team)
     if not team.writer:
-        return Follower(model, tokenizer, settings.rows, team, compile=cfg.compile)
+        return Follower(model, tokenizer, settings.rows, team, compile=cfg.compile, storage=storage)
     return engine_service(
         model,
         tokenizer,
@@ -112,6 +116,7 @@ def service(cfg: DictConfig, team, settings: Settings, spec, context: int):
         compile=cfg.compile,
         source=spec.source_label(),
         team=team,
+        storage=storage,
     )
 
 
@@ -145,7 +150,8 @@ def uvicorn_server(app, svc, settings: Settings):
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 m = svc.card.method
                 print(
-                    f"evalkit.serve: {svc.card.id} with {m.name} (budget {m.budget}) on "
+                    f"evalkit.serve: {svc.card.id} with {m.name} (budget {m.budget}, kv "
+                    f"{svc.card.storage['name']}) on "
                     f"http://{host}:{port}/v1 ({settings.rows} rows, queue {settings.queue_limit})",
                     flush=True,
                 )
@@ -179,9 +185,9 @@ def main(argv: list[str] | None = None) -> None:
             cfg = compose("serve", overrides)
         except HydraException as e:  # what Hydra refuses otherwise (a malformed override)
             raise ConfigError(str(e).splitlines()[0]) from None
-        settings, spec, context, ranks = checked(cfg)
+        settings, spec, context, ranks, storage = checked(cfg)
         team = Team.start(ranks)
-        svc = service(cfg, team, settings, spec, context)
+        svc = service(cfg, team, settings, spec, context, storage)
     except EvalkitError as e:
         exit_with(PROGRAM + team.rank_tag(), e)
     if isinstance(svc, Follower):

@@ -19,6 +19,8 @@ from __future__ import annotations
 import time
 
 from evalkit.engine import Engine, Intake
+from evalkit.kv.cache import NONE
+from evalkit.kv.storage import KVStorage
 from evalkit.request import generation_config
 from evalkit.serve.backend import End, EngineLoop, Work, token_event
 from evalkit.team import Team
@@ -64,13 +66,22 @@ class EngineBackend(EngineLoop):
     rank 0's (the other ranks are `Follower`s)."""
 
     def __init__(
-        self, model, tokenizer, rows: int, queue_limit: int, compile=False, team: Team | None = None
+        self,
+        model,
+        tokenizer,
+        rows: int,
+        queue_limit: int,
+        compile=False,
+        team: Team | None = None,
+        storage: KVStorage = NONE,
     ):
         super().__init__(rows, queue_limit)
         self.team = team or Team.single()
         self.eos = eos_ids(model, tokenizer)
         self.pad = tokenizer.pad_token_id
-        self.engine = Engine(model, tokenizer, self.eos, rows=rows, compile=compile, team=self.team)
+        self.engine = Engine(
+            model, tokenizer, self.eos, rows=rows, compile=compile, team=self.team, storage=storage
+        )
         self._kv: dict = {}
         self._read_at = 0.0
 
@@ -123,11 +134,13 @@ class Follower:
     """A TP rank other than 0: its engine runs rank 0's polls on this rank's shard of the model, in the same
     steps (every collective of the engine matched), and answers nobody. `run` returns once rank 0 closes."""
 
-    def __init__(self, model, tokenizer, rows: int, team: Team, compile=False):
+    def __init__(self, model, tokenizer, rows: int, team: Team, compile=False, storage: KVStorage = NONE):
         self.team = team
         self.eos = eos_ids(model, tokenizer)
         self.pad = tokenizer.pad_token_id
-        self.engine = Engine(model, tokenizer, self.eos, rows=rows, compile=compile, team=team)
+        self.engine = Engine(
+            model, tokenizer, self.eos, rows=rows, compile=compile, team=team, storage=storage
+        )
 
     def run(self) -> None:
         for _ in self.engine.run([], feed=self):
@@ -154,9 +167,11 @@ def engine_service(
     compile=False,
     source: str = "",
     team: Team | None = None,
+    storage: KVStorage = NONE,
 ):
     """A Service over the engine for a loaded model: `method` a conf name or a composed `method` node (at
-    `budget`, when given); `context` the model's unless given; `team`: rank 0's TP group, when sharded."""
+    `budget`, when given); `context` the model's unless given; `team`: rank 0's TP group, when sharded;
+    `storage`: how its slot pool holds K/V (conf/kv/, the card reports it)."""
     from omegaconf import OmegaConf
 
     from evalkit.config import group_config
@@ -167,10 +182,8 @@ def engine_service(
     conf = group_config("method", method) if isinstance(method, str) else method
     if budget is not None:
         conf = OmegaConf.merge(conf, {"budget": budget})
-    backend = EngineBackend(model, tokenizer, rows, queue_limit, compile=compile, team=team)
-    storage = {
-        "dtype": str(model.dtype).removeprefix("torch.")
-    }  # the storage object's, once KV storage is one
+    backend = EngineBackend(model, tokenizer, rows, queue_limit, compile=compile, team=team, storage=storage)
+    held = {"dtype": str(model.dtype).removeprefix("torch."), **storage.describe()}  # the model's, and how
     context = context or model.config.max_position_embeddings
-    card = Card(name, context, make_method(conf), conf, storage, source, git_sha(), max_n)
+    card = Card(name, context, make_method(conf), conf, held, source, git_sha(), max_n)
     return Service(card, tokenizer, backend)

@@ -67,6 +67,12 @@ class H2OReference:
 def reference_logits(model, prompt, tokens, method, monkeypatch) -> tuple[list, H2OReference]:
     """The reference's float64 logits before each of `tokens` (fed in turn), over transformers' full cache."""
     ref = H2OReference(method)
+    return logits_through(ref, model, prompt, tokens, monkeypatch), ref
+
+
+def logits_through(ref, model, prompt, tokens, monkeypatch) -> list:
+    """The logits before each of `tokens` (fed in turn, greedy), every attention of the model running `ref`
+    (an attention function with transformers' signature) over transformers' own full cache."""
     monkeypatch.setitem(kv_attention.ALL_ATTENTION_FUNCTIONS._global_mapping, kv_attention.NAME, ref)
     with torch.inference_mode():
         out = model(input_ids=prompt[None], use_cache=True)
@@ -75,7 +81,7 @@ def reference_logits(model, prompt, tokens, method, monkeypatch) -> tuple[list, 
             out = model(input_ids=torch.tensor([[token]]), cache=out.past_key_values, use_cache=True)
             logits.append(out.logits[0, -1])
     monkeypatch.undo()
-    return logits, ref
+    return logits
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

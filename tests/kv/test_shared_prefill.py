@@ -132,3 +132,36 @@ def test_mla_is_not_recorded():
     record = PrefillRecord(window=32)
     gen(model, ids, KVCache.for_model(SnapStream(budget=48, recent=8, window=8), model, record=record), False)
     assert not record.usable and record.layers == {}
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["expected_attention", "expected_attention_ring"])
+def test_an_expected_attention_record_keeps_the_score_not_every_query(ring):
+    """Expected attention reads every prompt query, whatever the budget: a budget list's record keeps its
+    score per entry (B, H_kv, T) float32 and the default 32 queries, not all of them (before: every prompt
+    query, (B, H_q, T, D) per layer), and a larger budget replayed from it keeps what its own prefill keeps,
+    head by head, with the same generation."""
+    from evalkit.kv import ExpectedAttention, Ringed
+    from evalkit.kv.scorers import ExpectedAttentionScore
+
+    def method(budget):
+        if ring:
+            return Ringed(budget=budget, scorer=ExpectedAttentionScore(future=64))
+        return ExpectedAttention(budget=budget, future=64)
+
+    model = tiny_model("llama", seed=8)
+    t = 150
+    ids = torch.randint(0, 256, (1, t), generator=torch.Generator().manual_seed(9))
+    small, large = method(48), method(96)
+    record = PrefillRecord(window=max(32, small.window, large.window))  # conversation.py's rule
+    gen(model, ids, KVCache.for_model(small, model, record=record), False)
+    cfg = model.config
+    for i in range(cfg.num_hidden_layers):
+        queries = record.layers[i][2]
+        assert queries.shape[2] == 32 and record.hints[i].shape == (1, cfg.num_key_value_heads, t)
+    alone_cache = KVCache.for_model(large, model)
+    replay_cache = KVCache.for_model(large, model, replay=record)
+    alone, replayed = gen(model, ids, alone_cache, False), gen(model, ids, replay_cache, False)
+    assert torch.equal(alone.sequences, replayed.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(alone.logits, replayed.logits))
+    for layer in range(cfg.num_hidden_layers):
+        assert torch.equal(alone_cache.positions(layer), replay_cache.positions(layer)), layer

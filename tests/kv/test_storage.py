@@ -202,7 +202,8 @@ STORAGES = {
 @pytest.mark.parametrize("name", STORAGES)
 @pytest.mark.parametrize("prompt, new", [(30, 19), (48, 1), (5, 30)])
 def test_bytes_held_equal_modelled(name, prompt, new):
-    """What the full cache really holds (every tensor's bytes) = evalkit.memory's model of it."""
+    """What the full cache really holds (every tensor's bytes) = the storage's model of it (`hold_bytes`:
+    KIVI's ragged layout; the slot caches' `layer_bytes` for the others)."""
     storage = STORAGES[name]
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (2, prompt), generator=torch.Generator().manual_seed(prompt))
@@ -210,8 +211,9 @@ def test_bytes_held_equal_modelled(name, prompt, new):
     model.generate(ids, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False)
     entries = prompt + new - 1  # the last token is generated, never fed
     assert cache.layers[0].length == entries
-    geometry = kv_geometry(TINY["llama"], "float32", storage=storage)
-    assert cache.nbytes() == 2 * geometry.sequence_bytes(entries)
+    g = kv_geometry(TINY["llama"], "float32", storage=storage)
+    held = g.layers * storage.hold_bytes(entries, 0, g.cached_heads, g.key_width, g.value_width, g.kv_bits)
+    assert cache.nbytes() == 2 * held
 
 
 def test_modelled_bytes_by_hand():
@@ -221,14 +223,19 @@ def test_modelled_bytes_by_hand():
     qk, qv = 896, 1000 - 129  # keys: whole blocks of 128 before the last entry; values: all but 129
     keys = qk * d * 4 / 8 + qk // 32 * d * 2 * 2 + (1000 - qk) * d * 2
     values = qv * d * 4 / 8 + qv * (d // 32) * 2 * 2 + (1000 - qv) * d * 2
-    assert int4.layer_bytes(1000, 0, heads, d, d, 16) == heads * (keys + values)
+    assert int4.hold_bytes(1000, 0, heads, d, d, 16) == heads * (keys + values)
     # a ring row: sinks and top-K quantized once, the ring (residual) in bf16
     ring = 128
     q = 1000 - ring
     per_side = q * d * 4 / 8 + ring * d * 2
-    assert int4.layer_bytes(1000, ring, heads, d, d, 16) == heads * (
+    assert int4.hold_bytes(1000, ring, heads, d, d, 16) == heads * (
         2 * per_side + -(-q // 32) * d * 2 * 2 + q * (d // 32) * 2 * 2
     )
+    # the slot caches (kivi_slots): every slot's codes + its 1/32 of a key group's (scale, zero) + its value
+    # (scale, zero) per 32 channels; the raw window: 128 keys and 129 values (append), the ring (ring row)
+    per_slot = d * 4 // 8 + 2 * d * 2 // 32 + d * 4 // 8 + 2 * (d // 32) * 2
+    assert int4.layer_bytes(1000, 0, heads, d, d, 16) == heads * (1000 * per_slot + (128 + 129) * d * 2)
+    assert int4.layer_bytes(1000, ring, heads, d, d, 16) == heads * (1000 * per_slot + 2 * ring * d * 2)
     assert Fp8Storage().layer_bytes(1000, 0, heads, d, d, 16) == heads * 1000 * 2 * d + 2 * heads * 4
     assert NoStorage().layer_bytes(1000, 0, heads, d, d, 16) == heads * 1000 * 2 * d * 2
 

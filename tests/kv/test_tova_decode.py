@@ -16,11 +16,11 @@ import torch
 
 from evalkit.engine import Engine
 from evalkit.kv import TOVADecode, generate
-from evalkit.kv import attention as kv_attention
 from evalkit.turns import ask
 from tests.kv.test_batched import left_pad
 from tests.kv.test_compile import Counting, assert_same_generation, gen, prompts
 from tests.kv.test_decode_eviction import sharp_model
+from tests.kv.test_h2o_reference import logits_through
 
 NEW = 90
 
@@ -59,15 +59,7 @@ class TOVAReference:
 
 def reference_logits(model, prompt, tokens, cache_size, monkeypatch) -> tuple[list, TOVAReference]:
     ref = TOVAReference(cache_size)
-    monkeypatch.setitem(kv_attention.ALL_ATTENTION_FUNCTIONS._global_mapping, kv_attention.NAME, ref)
-    with torch.inference_mode():
-        out = model(input_ids=prompt[None], use_cache=True)
-        logits = [out.logits[0, -1]]
-        for token in tokens[:-1]:
-            out = model(input_ids=torch.tensor([[token]]), cache=out.past_key_values, use_cache=True)
-            logits.append(out.logits[0, -1])
-    monkeypatch.undo()
-    return logits, ref
+    return logits_through(ref, model, prompt, tokens, monkeypatch), ref
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

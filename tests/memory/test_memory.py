@@ -137,10 +137,17 @@ def test_deepseek_weights_fp8_and_active_parameters():
         ("streaming_llm", 256, 256),
         ("streamingllm", 1000, 1000),
         ("snapkv", 256, 256 + 50),
+        # every conf method, by its class (before, only the four above were known to the memory model)
+        ("h2o", 256, 256),
+        ("tova_decode", 256, 256),
+        ("snapkv_decode", 256, 256),
+        ("kvzip_ring", 256, 256),
+        ("knorm", 256, 256 + 50),
+        ("expected_attention", 256, 256 + 50),
     ],
 )
 def test_kv_entries_per_method(method, budget, expected):
-    assert kv_entries(method, budget, context=1000, decode=50) == expected
+    assert kv_entries(method, budget, context=1000, decode=50, shape=Shape(3, 30)) == expected
 
 
 # --- the paper's Table 5 --------------------------------------------------------------------------
@@ -394,7 +401,7 @@ def test_missing_weight_fields_suggest_the_override():
 
 def test_budget_above_context_is_rejected():
     with pytest.raises(MemoryReportError, match="method.budget=4096 exceeds context_len=2048"):
-        kv_entries("snapstream", 4096, context=2048)
+        kv_entries("snapstream", 4096, context=2048, decode=0, shape=Shape(3, 30))
 
 
 def test_budget_above_every_context_in_a_sweep_is_rejected(tmp_path):

@@ -10,7 +10,15 @@ import socket
 import pytest
 import torch.multiprocessing as mp
 
-from tests.parallel.worker import FP8_METHODS, methods_for, observe, tp_fp8_main, tp_main
+from tests.parallel.worker import (
+    FP8_METHODS,
+    INT4,
+    INT_METHODS,
+    methods_for,
+    observe,
+    tp_fp8_main,
+    tp_main,
+)
 
 ARCHS = ("llama", "deepseek_v3")
 
@@ -71,4 +79,22 @@ def test_tp2_in_fp8_generates_what_one_process_does(tmp_path):
         for a, b, c in zip(one[name]["kept"], r0[name]["kept"], r1[name]["kept"]):
             assert all(heads == h0 + h1 for heads, h0, h1 in zip(a, b, c)), name
     assert one["full"]["margin"] > 1e-5
+    assert plain["full"]["margin"] != one["full"]["margin"]  # the storage was applied: other logits
+
+
+@pytest.mark.slow  # two spawned processes and the one-process reference: about a minute on 2 cores
+def test_tp2_in_int4_generates_what_one_process_does(tmp_path):
+    """KV storage int4 (KIVI: per-slot codes, the residual raw in per-row windows): each rank codes the KV
+    heads it holds, and the tokens and kept sets equal one process's."""
+    args = (2, free_port(), str(tmp_path), INT4, INT_METHODS)
+    mp.start_processes(tp_fp8_main, args=args, nprocs=2, start_method="spawn")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    one = observe("llama", INT_METHODS, kv=INT4[0], kv_settings=INT4[1])
+    plain = observe("llama", {"full": {}})
+    for name in INT_METHODS:
+        for sampling in ("greedy", "sampled"):
+            want = one[name]["tokens"][sampling]
+            assert r0[name]["tokens"][sampling] == r1[name]["tokens"][sampling] == want
+        for a, b, c in zip(one[name]["kept"], r0[name]["kept"], r1[name]["kept"]):
+            assert all(heads == h0 + h1 for heads, h0, h1 in zip(a, b, c)), name
     assert plain["full"]["margin"] != one["full"]["margin"]  # the storage was applied: other logits

@@ -48,10 +48,10 @@ DTYPE = {"llama": "float64", "deepseek_v3": "float32"}
 BUCKETS = dict(floor=16, per_octave=4)
 
 
-def observe(arch: str, methods: dict = METHODS, team=None, kv: str = "none") -> dict:
+def observe(arch: str, methods: dict = METHODS, team=None, kv: str = "none", kv_settings=None) -> dict:
     """{method: {"kept": [[layer][head] positions] per prompt, "tokens": {sampling: [tokens per prompt]},
     "margin": smallest greedy top-2 logit margin}} on this process of `team` (one process by default), the
-    caches held by KV storage `kv` (a conf/kv name)."""
+    caches held by KV storage `kv` (a conf/kv name, with `kv_settings` overridden)."""
     from transformers import GenerationConfig
 
     from evalkit.engine import Engine
@@ -68,7 +68,7 @@ def observe(arch: str, methods: dict = METHODS, team=None, kv: str = "none") -> 
     spec = ModelSpec(name=f"tiny_{arch}", random=TINY[arch], tokenizer="smollm2_135m", dtype=DTYPE[arch])
     model, tokenizer = load_model(spec, team)
     agree = team.cache_agree(model)
-    storage = make_storage(kv)
+    storage = make_storage(kv, **(kv_settings or {}))
     out = {}
     for name, settings in methods_for(arch, methods).items():
         method = make_method(name, **settings)
@@ -130,9 +130,9 @@ def tp_main(rank: int, world: int, port: int, archs: tuple, folder: str) -> None
 FP8_METHODS = {name: METHODS[name] for name in ("full", "snapstream", "h2o")}
 
 
-def tp_fp8_main(rank: int, world: int, port: int, folder: str) -> None:
+def tp_fp8_main(rank: int, world: int, port: int, folder: str, kv="fp8_e4m3", methods=FP8_METHODS) -> None:
     """One rank of a TP=world run of the llama model with its caches in fp8 (a scale per KV head: each rank
-    calibrates the heads it holds)."""
+    calibrates the heads it holds), or in another storage `kv` (a conf name, or (name, settings))."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -140,11 +140,18 @@ def tp_fp8_main(rank: int, world: int, port: int, folder: str) -> None:
 
     team = Team.start(Ranks.from_config({"parallel": {"tp_size": world, "dp_size": 1}}))
     try:
-        result = observe("llama", FP8_METHODS, team, kv="fp8_e4m3")
+        name, settings = (kv, None) if isinstance(kv, str) else kv
+        result = observe("llama", methods, team, kv=name, kv_settings=settings)
     finally:
         team.leave()
     with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+# int4 (KIVI) on the tiny llama's 16-wide heads: groups of 8, a residual of 16 (40/57-token prompts + 12 new
+# tokens cross key blocks); snapstream's budget 24 is whole key groups
+INT4 = ("int4", {"group": 8, "residual": 16})
+INT_METHODS = {name: METHODS[name] for name in ("full", "snapstream")}
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 another storage; the frontier of score against modelled KV bytes per sequence; the cheapest safe
 configuration recommended with the other kind's runner-up; equal-bytes pairs compared per problem.
 
-Fixture bytes (SmolLM2-135M geometry, bf16 precision, the full run's request of 2100 tokens seen):
-full int2 10.77 MB < snapstream 512 11,796,480 B < snapstream 1024 + fp8 11,797,200 B (its scales) <
-full int4 16.55 MB < snapstream 1024 23.59 MB < full fp8 24.19 MB < full bf16 48.38 MB.
+Fixture bytes (SmolLM2-135M geometry, bf16 precision, the full run's request of 2100 tokens seen; int in the
+slot caches' layout, `kivi_slots`): snapstream 512 11,796,480 B < snapstream 1024 + fp8 11,797,200 B (its
+scales) < full int2 12.03 MB < full int4 18.08 MB < snapstream 1024 23.59 MB < full fp8 24.19 MB < full bf16
+48.38 MB.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ def test_recommends_the_fewest_bytes_non_inferior_with_the_other_kind_beside_it(
     # the quantized full caches int4 (cheaper than fp8) is the runner-up
     assert rec["best"]["label"] == "snapstream 1024 + fp8_e4m3" and rec["best"]["kind"] == "eviction"
     assert rec["other"]["label"] == "full + int4" and rec["other"]["kind"] == "quantization"
-    assert sentence(rec) == "snapstream 1024 + fp8_e4m3: 11.3 MiB; full + int4: 15.8 MiB"
+    assert sentence(rec) == "snapstream 1024 + fp8_e4m3: 11.3 MiB; full + int4: 17.2 MiB"
     md = (tmp_path / "report" / "report.md").read_text() if write_report(rep.settings) else ""
-    assert "Recommended: snapstream 1024 + fp8_e4m3: 11.3 MiB; full + int4: 15.8 MiB." in md
+    assert "Recommended: snapstream 1024 + fp8_e4m3: 11.3 MiB; full + int4: 17.2 MiB." in md
     assert (tmp_path / "report" / "pareto_ruler_smollm2_135m.png").is_file()
 
 
@@ -78,7 +79,7 @@ def test_frontier_is_every_configuration_by_its_storage_bytes(tmp_path):
     rows = rep.frontier[("smollm2_135m", "ruler")]
     order = list(rows.label)
     assert order == [
-        "full + int2", "snapstream 512", "snapstream 1024 + fp8_e4m3", "full + int4", "snapstream 1024",
+        "snapstream 512", "snapstream 1024 + fp8_e4m3", "full + int2", "full + int4", "snapstream 1024",
         "full + fp8_e4m3", "full (model dtype)",
     ]  # fmt: skip
     marks = dict(zip(rows.label, rows.qualifies))
@@ -106,8 +107,8 @@ def test_equal_bytes_pairs_are_compared_per_problem(tmp_path):
     eq = build(settings(results_dir=str(tmp_path))).equal
     pairs = set(zip(eq.cheaper, eq.dearer))
     assert pairs == {
-        ("full + int2", "snapstream 512"),  # 8.7% apart, storages int2 / none
-        ("full + int2", "snapstream 1024 + fp8_e4m3"),
+        ("snapstream 512", "full + int2"),  # 2.0% apart, storages none / int2
+        ("snapstream 1024 + fp8_e4m3", "full + int2"),
         ("snapstream 512", "snapstream 1024 + fp8_e4m3"),  # 720 bytes apart: the fp8 scales
         ("snapstream 1024", "full + fp8_e4m3"),
     }  # never two of the same storage (full int2 against snapstream 512 + int2 would be the method table's)

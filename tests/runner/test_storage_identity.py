@@ -63,7 +63,8 @@ def test_storage_joins_the_configuration_identity_and_none_keeps_todays():
         (["method=h2o", "kv=int4"], 1, "kv int4: h2o overwrites single cache entries chosen per KV head"),
         (["model=tiny_deepseek", "kv=int2"], 1, "kv int2: this model caches one latent per token"),
         (["kv=fp8_e4m3", "kv.scale=tensor"], 2, "scale=tensor takes one amax over every KV head"),
-        (["kv=int4"], 1, "kv int4: integer KV is not yet held by evalkit's slot caches"),
+        (["kv=int4"], 1, "kv int4: group=32 must divide the value head width 16 .*: set kv.group"),
+        (["kv=int4", "kv.group=8", "kv.residual=16", "method.budget=60"], 1, "budget 60 must be a multiple"),
     ],
 )
 def test_what_a_storage_cannot_hold_is_refused_before_loading(tmp_path, overrides, tp, why):
@@ -98,3 +99,28 @@ def test_a_run_in_fp8_records_its_storage_and_the_bytes_it_held(tmp_path, monkey
     config = AutoConfig.for_model(**OmegaConf.to_container(compose(overrides=RULER).model.random))
     geometry = kv_geometry(config, "float32", storage=make_storage("fp8_e4m3"))
     assert metrics["kv"]["peak_bytes"] == geometry.sequence_bytes(metrics["kv"]["peak_entries"])
+
+
+def test_a_run_in_int4_records_its_storage_and_the_bytes_it_held(tmp_path, monkeypatch):
+    """`kv=int4` runs (KIVI in the slot pool): metrics.json's `kv.peak_bytes` (codes, parameters and the raw
+    ring, measured) equals evalkit.memory's model for the peak request's entries and SnapStream's ring."""
+    import json
+
+    from transformers import AutoConfig
+
+    from evalkit.kv.config import make_method
+    from evalkit.kv.storage import make_storage
+    from evalkit.memory.model import kv_geometry
+    from tests.conftest import fresh_run
+
+    monkeypatch.undo()  # this one loads the tiny model
+    small = ["task.load.n=1", "task.load.lengths=[1024]", "task.load.tasks=[niah_single_1]"]
+    int4 = ["kv=int4", "kv.group=8", "kv.residual=16"]  # tiny_llama's heads are 16 wide
+    fresh_run(*RULER, *small, "model.max_new_tokens=4", *int4, results=tmp_path)
+    (found,) = tmp_path.glob("runs/*/*/snapstream+int4*/*/metrics.json")
+    metrics = json.loads(found.read_text())
+    assert metrics["storage"] == {"name": "int4", "bits": 4, "group": 8, "residual": 16}
+    config = AutoConfig.for_model(**OmegaConf.to_container(compose(overrides=RULER).model.random))
+    geometry = kv_geometry(config, "float32", storage=make_storage("int4", group=8, residual=16))
+    ring = make_method("snapstream", budget=64).blocks()[1]
+    assert metrics["kv"]["peak_bytes"] == geometry.sequence_bytes(metrics["kv"]["peak_entries"], ring)

@@ -26,8 +26,8 @@ def _params() -> dict[str, list[str]]:
 
 def test_every_job_composes_to_a_method_and_storage():
     params = _params()
-    # int4 / int2 join once the slot caches hold KIVI's codes (a run refuses them today)
-    assert set(params["kv"]) == {"none", "fp8_e4m3", "fp8_e5m2"} and set(params["task"]) == {
+    # int4 / int2 run since the slot caches hold KIVI's codes (kivi_slots)
+    assert set(params["kv"]) == {"none", "fp8_e4m3", "fp8_e5m2", "int4", "int2"} and set(params["task"]) == {
         "ruler",
         "aime24",
     }
@@ -39,12 +39,15 @@ def test_every_job_composes_to_a_method_and_storage():
             budgets = OmegaConf.create(f"b: {job.pop('method.budget')}").b
             overrides = [f"{k}={v}" for k, v in job.items()] + [f"kv={kv}"]
             cfg = compose("eval", overrides=overrides)
-            assert make_storage(cfg.kv).name == kv
+            storage = make_storage(cfg.kv)
+            assert storage.name == kv
+            storage.check_widths(64, 64)  # SmolLM2-135M's heads: the storage can code them
             if job["method"] == "full":  # the runner gives `full` no budget: the list names its one run
                 assert instantiate(cfg.method).budget is None
                 continue
-            for b in budgets:  # every budget of the list is a valid SnapStream
-                assert instantiate(OmegaConf.merge(cfg.method, {"budget": b})).budget == b
+            for b in budgets:  # every budget of the list is a valid SnapStream the storage can hold
+                method = instantiate(OmegaConf.merge(cfg.method, {"budget": b}))
+                assert method.budget == b and storage.refusal(method) is None
 
 
 def test_snapstream_budgets_match_each_quantized_full_cache_on_ruler():

@@ -8,7 +8,9 @@ the storage *how*: every method composes with every storage it does not refuse (
 
 Kinds: `NoStorage` (the model dtype), `Fp8Storage` (e4m3 / e5m2, `fp8.py`), `IntStorage` (KIVI's asymmetric
 group-wise int8 / int4 / int2, `kivi.py`). `hold` is the full cache's path (a prompt, then one token per step,
-`stored.StoredCache`); the fixed-shape cache and the slot pool hold the same codes in buffers allocated once.
+`stored.StoredCache`); the fixed-shape cache and the slot pool hold the same codes in buffers allocated once
+(KIVI's laid out per slot, its residual in per-row windows: `kivi_slots.py`; `hold_bytes` is then the full
+cache's own figure).
 """
 
 from __future__ import annotations
@@ -35,11 +37,6 @@ class KVStorage:
         `facts` is the run's `RunFacts` (model, mla, tp, ...), None outside a run."""
         return None
 
-    def slot_refusal(self) -> str | None:
-        """Why evalkit's slot caches (the fixed-shape cache and the engine's pool, which every run decodes
-        in) cannot hold this storage yet, or None."""
-        return None
-
     def check_widths(self, key_width: int, value_width: int) -> None:
         """Raise ValueError naming the setting if a head of these widths cannot be stored."""
 
@@ -52,6 +49,13 @@ class KVStorage:
         count."""
         raise NotImplementedError
 
+    def hold_bytes(
+        self, slots: int, ring: int, heads: int, key_width: int, value_width: int, model_bits: int
+    ) -> int:
+        """Bytes `hold` (the full cache's reference path, `stored.StoredCache`) holds per row and layer: the
+        slot caches' `layer_bytes` unless the storage lays the two out differently (KIVI)."""
+        return self.layer_bytes(slots, ring, heads, key_width, value_width, model_bits)
+
     def hold(self, keys: torch.Tensor, values: torch.Tensor):
         """The prompt's K/V (B, H, T, D) as held by a full cache: an object with `append(k, v)` (one token per
         row), `read() -> (K, V)` in the model dtype, `nbytes()` (bytes of every tensor it holds)."""
@@ -60,13 +64,25 @@ class KVStorage:
     # --- the slot caches (`evalkit.kv.cache.KVCache`, the static cache, the engine's `SlotPool`) ----------
     # A layer's buffers `keys` / `values` (B, H, cap, D) hold what this storage holds per slot (the model
     # dtype, or codes); its `scales` tuple holds per-row tensors beside them ((B, ...) each: the pool
-    # copies a row's with its slots). `seal` turns a prefilled layer's buffers into that form, `store`
-    # codes each decode step's entries before they are written, `load` gives attention K/V back in the
-    # model dtype.
+    # copies a row's with its slots, into their leading corner: a row may use less of them than the pool
+    # holds). `seal` turns a prefilled layer's buffers into that form, `write` puts a static cache's decode
+    # entry in (by default: coded by `store`, then written at the evictor's index), `load` gives attention
+    # K/V back in the model dtype, `row_bytes` what row r holds of the per-row tensors.
     def seal(self, layer, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor) -> None:
         """After prefill: `layer.keys/values` hold the kept slots in the model dtype; keys/values (B, H, T, D)
         are the whole prompt and real (B, T) bool its real columns (what a scale is calibrated on)."""
         raise NotImplementedError(f"kv {self.name}: not held by evalkit's slot caches")
+
+    def write(self, layer, index: tuple, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A static cache's decode step: this step's K/V (B, H, 1, D) into the layer at `index` (the evictor's
+        `write_index`), inside the compiled graph."""
+        k, v = self.store(layer, k, v)  # as the buffers hold them (codes for a quantizing storage)
+        layer.keys[index] = k[:, :, 0]  # (B, H, D_k)
+        layer.values[index] = v[:, :, 0]
+
+    def row_bytes(self, layer, r: int) -> int:
+        """Bytes of the per-row tensors (`layer.scales`) row r holds."""
+        return sum(s[r].numel() * s.element_size() for s in layer.scales)
 
     def store(self, layer, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's K/V (B, H, q, D) as the layer's buffers hold them."""

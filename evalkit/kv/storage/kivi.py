@@ -12,7 +12,9 @@ keys [0, R * floor((N - 1) / R)) are quantized (a block of R keys is quantized t
 arrives, so a key group never mixes quantized and raw entries) and values [0, N - R - 1) (the oldest value
 leaves the residual once R + 1 are held). Attention therefore sees, at every decode step, exactly KIVI's
 split (KIVI quantizes after attention; evalkit before the next token's write, which attention cannot tell
-apart). In a ring cache the ring is the residual (docs/deviations.md#kv-storage).
+apart). In a ring cache the ring is the residual (docs/deviations.md#kv-storage). `hold` (`KiviHeld`) is the
+full cache's ragged layout; the slot caches hold the same split per slot (`kivi_slots.py`), whose bytes are
+`layer_bytes` (what a run holds and evalkit.memory models), KIVI's ragged ones `hold_bytes`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from evalkit.kv.storage import kivi_slots
 from evalkit.kv.storage.base import KVStorage, tensor_bytes
 
 BITS = (2, 4, 8)
@@ -131,6 +134,13 @@ class IntStorage(KVStorage):
                 f"decoding, and a key group (one scale per channel over {self.group} entries) cannot take "
                 "one new entry without re-quantizing the others: use kv=fp8_e4m3 or kv=none with this method"
             )
+        budget = getattr(method, "budget", None)
+        if method.ring and budget is not None and budget % self.group:
+            return (
+                f"kv {self.name}: {method.name}'s budget {budget} must be a multiple of group={self.group} "
+                "(a ring row's sinks and top-K are quantized in key groups of `group` slots): choose such a "
+                "budget or set kv.group"
+            )
         if getattr(facts, "mla", False):
             return (
                 f"kv {self.name}: this model caches one latent per token (MLA), which has no keys per "
@@ -138,19 +148,16 @@ class IntStorage(KVStorage):
             )
         return None
 
-    def slot_refusal(self) -> str | None:
-        # KIVI's moving residual in buffers allocated once (and a ring's residual at a per-row offset) is not
-        # built yet: the full cache's `hold` (StoredCache, the fidelity tests) is this storage's only path
-        return (
-            f"kv {self.name}: integer KV is not yet held by evalkit's slot caches (the engine's pool every "
-            "run decodes in): use kv=fp8_e4m3, kv=fp8_e5m2 or kv=none"
-        )
-
     def check_widths(self, key_width: int, value_width: int) -> None:
         if value_width % self.group:
             raise ValueError(
                 f"kv {self.name}: group={self.group} must divide the value head width {value_width} (values "
                 "are quantized per token in groups of `group` channels)"
+            )
+        if (2 * key_width) % self.group:
+            raise ValueError(
+                f"kv {self.name}: group={self.group} must divide twice the key head width {key_width} (a key "
+                "group's scale and zero point are striped over its `group` slots)"
             )
         if (key_width * self.bits) % 8 or (value_width * self.bits) % 8:
             raise ValueError(
@@ -166,6 +173,18 @@ class IntStorage(KVStorage):
         return (r * ((slots - 1) // r) if slots else 0), max(slots - r - 1, 0)
 
     def layer_bytes(self, slots, ring, heads, key_width, value_width, model_bits) -> int:
+        """The slot caches' layout (what a run holds, `kivi_slots`): every slot's codes and parameters (a key
+        group's striped over its slots), and the row's raw window: an append row's last `residual` keys and
+        `residual + 1` values, a ring row's ring."""
+        self.check_widths(key_width, value_width)
+        item = model_bits // 8
+        k, v = kivi_slots.slot_widths(self, key_width, value_width, item)
+        r = self.residual
+        window = ring * (key_width + value_width) if ring else r * key_width + (r + 1) * value_width
+        return heads * (slots * (k + v) + window * item)
+
+    def hold_bytes(self, slots, ring, heads, key_width, value_width, model_bits) -> int:
+        """KIVI's own ragged layout, what `hold` (the full cache's reference path) holds."""
         self.check_widths(key_width, value_width)
         qk, qv = self.quantized(slots, ring)
         key_groups = -(-qk // self.group)  # a ring row's last key group may be partial
@@ -191,6 +210,25 @@ class IntStorage(KVStorage):
     def hold(self, keys, values):
         self.check_widths(keys.shape[-1], values.shape[-1])
         return KiviHeld(self, keys, values)
+
+    # --- the slot caches (`kivi_slots`: codes per slot, the residual in per-row windows) --------------------
+    def seal(self, layer, keys, values, real) -> None:
+        kivi_slots.seal(self, layer)
+
+    def write(self, layer, index, k, v) -> None:
+        kivi_slots.write(self, layer, k, v)  # int refuses slot-choosing evictors: index is (row, slot)
+
+    def store(self, layer, k, v):
+        raise NotImplementedError(
+            f"kv {self.name}: the dynamic cache does not decode integer KV (KIVI's residual moves each step "
+            "on device state): decode in the static cache or the engine's slot pool"
+        )
+
+    def load(self, layer, keys, values):
+        return kivi_slots.load(self, layer, keys, values)
+
+    def row_bytes(self, layer, r: int) -> int:
+        return kivi_slots.row_bytes(layer, r)
 
 
 def _cat(a: Codes, b: Codes) -> Codes:

@@ -1,0 +1,44 @@
+"""`python -m evalkit.serve kv=...`: the server takes the KV storage setting as a run does (conf/kv/, checked
+before the model loads), its slot pool holds K/V that way, and its model card says so (a served run's
+`kv=` is matched against it: evalkit.served_kv)."""
+
+import pytest
+import requests
+
+from evalkit.config import ConfigError, compose
+from evalkit.kv.storage import make_storage
+from evalkit.serve.__main__ import checked
+from evalkit.serve.live import engine_service
+from tests.serve.conftest import post
+
+INT4 = ["kv=int4", "kv.group=8", "kv.residual=16"]  # tiny_llama's heads are 16 wide
+
+
+def test_serve_takes_the_kv_setting_before_the_model_loads():
+    *_, storage = checked(compose("serve", ["model=tiny_llama", *INT4]))
+    assert storage == make_storage("int4", group=8, residual=16)
+    *_, plain = checked(compose("serve", ["model=tiny_llama"]))
+    assert plain.name == "none"
+    with pytest.raises(ConfigError, match="group=32 must divide the value head width 16"):
+        checked(compose("serve", ["model=tiny_llama", "kv=int4"]))
+    with pytest.raises(ConfigError, match="h2o overwrites single cache entries"):
+        checked(compose("serve", ["model=tiny_llama", "method=h2o", *INT4]))
+
+
+def test_the_card_reports_the_storage_and_the_pool_holds_it(serve, tiny_llama, one_thread):
+    storage = make_storage("int4", group=8, residual=16)
+    svc = engine_service(*tiny_llama, "tiny", "snapstream", rows=2, queue_limit=4, budget=64, storage=storage)
+    url, _ = serve(svc)
+    entry = requests.get(url + "/v1/models", timeout=60).json()["data"][0]
+    assert entry["evalkit"]["kv_storage"] == {
+        "dtype": "float32",
+        "name": "int4",
+        "bits": 4,
+        "group": 8,
+        "residual": 16,
+    }
+    body = {"model": "tiny", "prompt": "The lamp by the window", "temperature": 0, "max_tokens": 6}
+    answer = post(url, "/v1/completions", body).json()
+    assert answer["usage"]["kv"]["storage"]["name"] == "int4"
+    layer = svc.backend.engine.pool.layers[0]
+    assert str(layer.keys.dtype) == "torch.uint8" and len(layer.scales) == 3  # codes + raw windows
