@@ -136,7 +136,7 @@ def row(dep: Deployment, cfg: dict, context: int, method: str, budget: int | Non
     """One configuration: KV sizes, capacity-limited and reservation-calibrated max batch, placement and
     throughput at the configured batch ("max" = the capacity-limited max batch), SRAM tile."""
     decode, method = cfg["decode_len"], canonical_method(method)
-    entries = kv_entries(method, budget, context, decode, dep.spec.kv.shape)
+    entries = kv_entries(method, budget, context, decode, dep.model.kv.shape)
     max_batch = dep.max_batch(entries)
     max_batch_cal = dep.max_batch(entries, kv_reserve_bytes(cfg))
     batch = max_batch if cfg["batch"] == "max" else _batch(cfg["batch"])
