@@ -43,7 +43,7 @@ from transformers.generation.logits_process import (
 )
 
 from evalkit.kv.cache import NONE, KVCache
-from evalkit.kv.layout import slots_needed
+from evalkit.kv.layout import Shape, slots_needed
 from evalkit.kv.pool import BUCKETS, Buckets, SlotPool
 from evalkit.kv.prefill import shared_prefill
 from evalkit.kv.static import compile_config
@@ -121,6 +121,9 @@ class Engine:
         self.team = team or Team.single()
         self.cache_agree = self.team.cache_agree(model)  # kept indices -> the TP group's (MLA)
         self.n_rows, self.continuous = rows, continuous
+        text = model.config.get_text_config()  # what a request's slots may depend on (adaptive budgets)
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.shape = Shape(heads, text.num_hidden_layers)  # MLA caches fewer: an upper bound is enough
         self.step_fn = model.forward
         self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         if (
@@ -407,6 +410,7 @@ class Engine:
             prefill_replayed=row.replayed,
             kv_slots=kv["slots"],
             kv_bytes=kv["bytes"],
+            kv_ragged_bytes=kv["ragged_bytes"],  # what a ragged layout would hold (adaptive budgets: less)
             kv_seen=kv["seen"],
             kv_kept=kv["kept"],
             kv_evicted_generated=kv["evicted_generated"],
@@ -425,7 +429,7 @@ class Engine:
             )
         if any(isinstance(t, Followup) for t in conv.turns[:-1]):
             raise ValueError("a follow-up call is a conversation's last turn (it runs on a cache of its own)")
-        return slots_needed(conv.method, len(conv.ids), fed_tokens(conv))
+        return slots_needed(conv.method, len(conv.ids), fed_tokens(conv), self.shape)
 
     def _keep_last(self) -> dict:
         """logits_to_keep=1 where the model takes it, as generate passes it (same numbers, less work)."""

@@ -42,6 +42,10 @@ def kv_summary(gens: list[dict], model_config) -> dict:
         "mean_kept_entries": _mean(g["kv_kept"] for g in gens),
         "peak_bytes": whole_cache_bytes(peak, cached_heads(model_config)) if gens else None,
         "peak_bytes_per_rank": peak.get("kv_bytes"),
+        # the same request's entries as a ragged layout would hold them (heads keeping different counts)
+        "peak_ragged_bytes": whole_cache_bytes(peak, cached_heads(model_config), "kv_ragged_bytes")
+        if gens and peak.get("kv_ragged_bytes") is not None
+        else None,
         "peak_entries": peak.get("kv_slots"),
         "peak_prompt_tokens": peak.get("prompt_tokens"),  # of the request at the peak: lets the memory
         "peak_prefill_tokens": peak.get("prefill_tokens"),  # report predict its entries from lengths alone
@@ -58,11 +62,11 @@ def cached_heads(model_config) -> int:
     return getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
 
 
-def whole_cache_bytes(gen: dict, heads: int) -> int:
+def whole_cache_bytes(gen: dict, heads: int, figure: str = "kv_bytes") -> int:
     """A generation's KV bytes over all `heads`: its record holds the bytes of the `kv_heads` its process
     cached (a TP rank's share; MLA's latent is replicated, whole on every rank). A record written before
     `kv_heads` was recorded came from one process: whole."""
-    return gen["kv_bytes"] * heads // (gen.get("kv_heads") or heads)
+    return gen[figure] * heads // (gen.get("kv_heads") or heads)
 
 
 def generation_summary(gens: list[dict]) -> dict:

@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 from pathlib import Path
 
 import torch
 from kvpress import (
+    AdaKVPress,
     DecodingPress,
     ExpectedAttentionPress,
     KeyDiffPress,
     KnormPress,
     KVzipPress,
+    PyramidKVPress,
     SnapKVPress,
     TOVAPress,
 )
@@ -66,7 +69,52 @@ def scorer_presses(s: dict) -> dict:
         "keydiff": KeyDiffPress(),
         "tova": TOVAPress(),
         "expected_attention": ExpectedAttentionPress(n_future_positions=s["future"], n_sink=s["sink"]),
+        "snapkv": SnapKVPress(window_size=s["window"], kernel_size=s["kernel"]),
     }
+
+
+class Captured(ScorerPress):
+    """A ScorerPress whose `score` is a captured one (layer -> (H_kv, T)): AdaKVPress and PyramidKVPress then
+    run their own allocation over exactly the scores their inner press gave in the prefill."""
+
+    def __init__(self, scores: dict, compression_ratio: float):
+        super().__init__(compression_ratio=compression_ratio)
+        self.scores = scores
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        return self.scores[module.layer_idx][None].clone()  # (1, H_kv, T)
+
+
+def adakv_sets(model, scores: dict, keep: int, length: int, alpha: float) -> list[list[list[int]]]:
+    """AdaKVPress(inner).compress on the inner press's captured scores: the kept sets are the complement of
+    `masked_key_indices` (its bottom-k over all heads of a layer, after the `alpha_safeguard` floor)."""
+    press = AdaKVPress(Captured(scores, ratio_for(length, keep)), alpha_safeguard=alpha)
+    out = []
+    for layer in model.model.layers:
+        press.compress(layer.self_attn, None, None, None, None, {})
+        _, heads, cols = layer.self_attn.masked_key_indices
+        h_kv = scores[layer.self_attn.layer_idx].shape[0]
+        pruned = [set(cols[heads == h].tolist()) for h in range(h_kv)]
+        out.append([[j for j in range(length) if j not in p] for p in pruned])
+        del layer.self_attn.masked_key_indices
+    return out
+
+
+def pyramid_sets(model, scores: dict, keep: int, length: int, s: dict, beta: int, exact: bool = False):
+    """PyramidKVPress.compress: `get_layer_budget(module, k_len)` entries per head by SnapKV's scores, at the
+    ratio 1 - keep / length, whose n_kept (q_len x (1 - ratio), a float) is `keep` up to rounding; `exact`:
+    the ratio nudged until that float is `keep` or just above (evalkit's exact arithmetic)."""
+    ratio = 1 - keep / length
+    while exact and length * (1 - ratio) < keep:
+        ratio = math.nextafter(ratio, 0.0)
+    press = PyramidKVPress(
+        compression_ratio=ratio, window_size=s["window"], kernel_size=s["kernel"], beta=beta
+    )
+    out = []
+    for layer in model.model.layers:
+        n = press.get_layer_budget(layer.self_attn, length)
+        out.append(sorted_rows(scores[layer.self_attn.layer_idx].topk(n, dim=-1).indices))
+    return out
 
 
 def prefill_scores(model, ids: torch.Tensor, s: dict, first_ratio: float):
@@ -166,6 +214,12 @@ def run_prefill(model, req: dict) -> dict:
             for method in scores:
                 got[f"{method}/{b}"] = topk_sets(scores[method], b, length)
             got[f"kvzip/{b}"], got[f"kvzip_uniform/{b}"] = kvzip_sets(model, kvzip, score_val, b, length)
+            for inner in ("snapkv", "expected_attention"):
+                got[f"adakv_{inner}/{b}"] = adakv_sets(model, scores[inner], b, length, s["alpha"])
+            for beta in s["betas"]:
+                label, snap = f"pyramidkv_snapkv_beta{beta}", scores["snapkv"]
+                got[f"{label}/{b}"] = pyramid_sets(model, snap, b, length, s, beta)
+                got[f"{label}_exact/{b}"] = pyramid_sets(model, snap, b, length, s, beta, exact=True)
         out[name] = got
         print(f"kvpress prefill {name}: {length} tokens", flush=True)
     return out

@@ -12,18 +12,19 @@ then (`--kvpress-python` or `$EVALKIT_KVPRESS_PYTHON` names the venv's python):
     .venv/bin/python scripts/kvpress_side_by_side.py prefill --kvpress-python /work/wt/kvpress-venv/bin/python
     .venv/bin/python scripts/kvpress_side_by_side.py decode  --kvpress-python /work/wt/kvpress-venv/bin/python
 
-`prefill`: knorm, keydiff, tova, expected_attention and kvzip at three budgets on RULER needle prompts
-(niah_single_1 at 1k/2k/4k tokens, niah_multikey_2 at 2k) and natural text (LongBench-v2 documents, 1k and
-4k): the context of each (the rendered prompt up to its question, what kvpress's pipeline compresses). The
-figure is the mean top-K Jaccard per layer and KV head: |E n K| / |E u K| of the entries each side keeps,
-the entries both always keep (sinks, TOVA's last token) left out. `decode`: snapkv_decode against
+`prefill`: knorm, keydiff, tova, expected_attention, kvzip, snapkv and the adaptive budgets (adakv over snapkv
+and expected_attention, `AdaKVPress`; pyramidkv at beta 20 and 4, `PyramidKVPress`) at three budgets on RULER
+needle prompts (niah_single_1 at 1k/2k/4k tokens, niah_multikey_2 at 2k) and natural text (LongBench-v2
+documents, 1k and 4k): the context of each (the rendered prompt up to its question, what kvpress's pipeline
+compresses). The figure is the mean top-K Jaccard per layer and KV head: |E n K| / |E u K| of the entries each
+side keeps, the entries both always keep (sinks, TOVA's last token) left out. `decode`: snapkv_decode against
 `DecodingPress(SnapKVPress)` after a prefill SnapKVPress, greedy with EOS suppressed for `--new` tokens, on
 ~1k-token prompts at three budgets, query-aware and query-agnostic, with kvpress patched to neutralise each
 listed deviation in turn; tokens compared, and the kept sets at every re-selection up to the first differing
 token. Results: `--out` (default results/kvpress/<mode>.json and .md; kvpress's kept sets beside them,
-`<mode>.kvpress*.pt`, reused when the same request runs again, so a change on evalkit's side is re-measured
-without running kvpress). `--quick`: one 1k needle prompt and
-two budgets (the slow test, tests/kv/test_kvpress_side_by_side.py).
+`<mode>.pt`, reused when the same request runs again, so a change on evalkit's side is re-measured
+without running kvpress). `--quick`: one 1k needle prompt and two budgets (the slow test,
+tests/kv/test_kvpress_side_by_side.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SINK, FUTURE, CHUNK = 4, 512, 2048  # kvpress defaults for ExpectedAttentionPress and KVzipPress
 WINDOW, KERNEL = 32, 7
+ALPHA, BETAS = 0.2, (20, 4)  # AdaKVPress's alpha_safeguard; PyramidKVPress's beta: its default, and one whose
+# pyramid holds at these budgets (beta 20 keeps the uniform budget below window x beta = 640 entries)
 
 
 # --- prompts: token ids both sides read -------------------------------------------------------------------
@@ -135,6 +138,24 @@ def rivals(budget: int) -> list:
     ]
 
 
+def adaptive(budget: int) -> dict:
+    """SnapKV and the head- and layer-adaptive budgets (issue 33 item 3), by the label kvpress's side uses."""
+    from evalkit.kv import AdaKV, ExpectedAttention, PyramidKV, SnapKV
+
+    snapkv = SnapKV(budget=budget, window=WINDOW, pool_kernel=KERNEL)
+    ea = ExpectedAttention(budget=budget, sink=SINK, future=FUTURE)
+    return {
+        "snapkv": snapkv,
+        "adakv_snapkv": AdaKV(budget=budget, alpha=ALPHA, inner=snapkv),
+        "adakv_expected_attention": AdaKV(budget=budget, alpha=ALPHA, inner=ea),
+        **{f"pyramidkv_snapkv_beta{b}": PyramidKV(budget=budget, beta=b, inner=snapkv) for b in BETAS},
+    }
+
+
+def methods(budget: int) -> dict:
+    return {**{m.name: m for m in rivals(budget)}, **adaptive(budget)}
+
+
 def kept(cache) -> list[list[list[int]]]:
     """(layer, KV head) -> sorted positions held (batch row 0)."""
     out = []
@@ -161,10 +182,10 @@ def evalkit_prefill(model, tok, prompts: dict, budgets) -> dict:
             model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True)
         got = {}
         for b in fits:
-            for method in rivals(b):
+            for label, method in methods(b).items():
                 replayed = KVCache.for_model(method, model, replay=record)
                 populate(replayed, record)
-                got[f"{method.name}/{b}"] = kept(replayed)
+                got[f"{label}/{b}"] = kept(replayed)
         out[name] = got
         print(f"evalkit prefill {name}: {ids.shape[1]} tokens", flush=True)
     return out
@@ -172,9 +193,10 @@ def evalkit_prefill(model, tok, prompts: dict, budgets) -> dict:
 
 def protected(method: str, length: int) -> set[int]:
     """Entries both sides always keep: left out of the Jaccard (it measures the scored choice)."""
-    return {"tova": {length - 1}, "expected_attention": set(range(SINK))}.get(
-        method, set(range(SINK)) if method.startswith("kvzip") else set()
-    )
+    if method in ("snapkv", "adakv_snapkv") or method.startswith("pyramidkv"):
+        return set(range(length - WINDOW, length))  # the observation window
+    sinks = method.startswith("kvzip") or method.endswith("expected_attention")
+    return {"tova": {length - 1}}.get(method, set(range(SINK)) if sinks else set())
 
 
 def jaccard(a, b, skip=frozenset()) -> float:
@@ -189,9 +211,12 @@ def compare_prefill(ours: dict, theirs: dict, prompts: dict) -> list[dict]:
         length = len(prompts[name]["context"])
         for key, sets in got.items():
             method, b = key.split("/")
-            readings = [(method, key)] + (
-                [("kvzip_uniform", f"kvzip_uniform/{b}")] if method == "kvzip" else []
+            # kvzip: also against each head's top-budget of kvpress's scores; pyramidkv: also at the ratio
+            # whose float n_kept is exactly the budget (the listed deviations, neutralised)
+            after = {"kvzip": "kvzip_uniform"}.get(
+                method, f"{method}_exact" if "pyramidkv" in method else None
             )
+            readings = [(method, key)] + ([(after, f"{after}/{b}")] if after else [])
             for label, their_key in readings:
                 skip = protected(method, length)
                 js = [
@@ -339,6 +364,7 @@ def prefill_mode(model, tok, folder: str, python: str, args) -> list[dict]:
         prompts.update(needle_prompts(tok, [("niah_multikey_2", 2048, 1)]))
         prompts.update(natural_prompts(tok, [1024, 4096]))
     s = {"budgets": args.budgets, "sink": SINK, "future": FUTURE, "chunk": CHUNK, "check": True}
+    s.update(window=WINDOW, kernel=KERNEL, alpha=ALPHA, betas=list(BETAS))
     request = {"mode": "prefill", "model": folder, "settings": s, "prompts": prompts}
     theirs = run_kvpress(python, request, args.kept.with_suffix(".pt"))
     ours = evalkit_prefill(model, tok, prompts, args.budgets)
@@ -385,7 +411,7 @@ def main(argv=None) -> dict:
     from transformers.utils import logging as hf_logging
 
     from evalkit.config import model_spec
-    from evalkit.models import load_model
+    from evalkit.loading import load_model
     from evalkit.sources import resolve_source
 
     hf_logging.disable_progress_bar()

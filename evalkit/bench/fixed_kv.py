@@ -68,7 +68,7 @@ def predictions(model, methods, prompt: int, decoded: int, kv_budget: int, bandw
     dep = Deployment(spec, hw, tp=1)
     out = []
     for method in methods:
-        entries = kv_entries(method.name, getattr(method, "budget", None), prompt, decoded)
+        entries = kv_entries(method.name, getattr(method, "budget", None), prompt, decoded, spec.kv.shape)
         batch = dep.max_batch(entries, reserve=kv_budget)
         out.append(
             {"entries": entries, "batch": batch, "tok_s": dep.step(batch, entries)["tok_s"] if batch else 0}

@@ -9,6 +9,7 @@ stats  # tokens seen / kept / evicted and bytes, per layer and per row
 `model.generate` decodes one prompt (or rows of one length) with the dynamic cache.
 """
 
+from evalkit.kv.adaptive import AdaKV, PyramidKV
 from evalkit.kv.attention import attach, register
 from evalkit.kv.cache import KVCache
 from evalkit.kv.generate import generate
@@ -36,6 +37,8 @@ __all__ = [
     "ExpectedAttention",
     "KVzip",
     "Ringed",
+    "AdaKV",
+    "PyramidKV",
     "TOVADecode",
     "attach",
     "register",

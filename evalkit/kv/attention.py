@@ -48,13 +48,15 @@ def evalkit_attention(module, query, key, value, attention_mask, scaling=None, *
     if layer.cache.static:
         if kwargs.get("softcap") is not None or kwargs.get("dropout", 0.0):
             raise ValueError("evalkit's static decode attention supports neither softcap nor dropout")
-        mask = layer.cache.decode_mask()
+        mask = layer.cache.decode_mask(layer)
         out = static_decode_sdpa(query, key, value, mask, scaling)
         if layer.cache.observing:  # the cache's evictor scores this step: its attention, or the query itself
             scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
             layer.cache.evictor.observe(layer.cache, layer, query, key, mask, scaling)
         return out
-    mask = layer.cache.decode_mask()
+    mask = layer.cache.decode_mask(layer)
+    if mask is not None and 1 < mask.shape[1] < query.shape[1]:  # per KV head: ride to its query heads
+        mask = mask.repeat_interleave(query.shape[1] // mask.shape[1], dim=1)
     return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, is_causal=False, **kwargs)
 
 

@@ -28,9 +28,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from evalkit.kv.attention import hand_off
-from evalkit.kv.layout import Rows, plan_rows, ring_slot, valid_columns
+from evalkit.kv.layout import Rows, Shape, plan_rows, ring_slot, valid_columns
 from evalkit.kv.scorers import PrefillView, rope_of
-from evalkit.kv.select import Agree, group_mean, own, place_topk
+from evalkit.kv.select import Agree, group_mean, own
 from evalkit.kv.storage.base import KVStorage, NoStorage
 
 NONE = NoStorage()  # the model dtype: every cache's storage unless a run chooses one (frozen: no state)
@@ -98,8 +98,8 @@ class KVLayer(CacheLayerMixin):
         self.pending = None
         if self.cache.record is not None:
             self.cache.record.add(self.layer_idx, keys, values, query, attn_keys, attention_mask, scaling)
-        rows = self.cache.prefill_rows(attention_mask, keys.shape[0], keys.shape[2], keys.device)
         b, h = keys.shape[:2]
+        rows = self.cache.prefill_rows(attention_mask, b, keys.shape[2], keys.device, h)
         pos = rows.base_pos[:, None, :].expand(b, h, rows.n).clone()  # (B, H, n) position per slot
         method, evictor = self.cache.method, self.cache.evictor
         scores = None
@@ -122,7 +122,7 @@ class KVLayer(CacheLayerMixin):
             scores = group_mean(raw, h)
         if self.cache.has_topk:
             ranked = scores.masked_fill(~rows.candidates[:, None], float("-inf"))  # an evictor keeps from all
-            place_topk(pos, ranked, rows, method.blocks(), self.cache.agree)
+            method.place(pos, ranked, rows, self.layer_idx, self.cache.shape, self.cache.agree)
         src = (pos.clamp(min=0) + rows.pad[:, None, None]).unsqueeze(-1)  # (B, H, n, 1) prompt columns
         empty = (pos < 0).unsqueeze(-1)
         cap = rows.valid.shape[1]
@@ -212,6 +212,8 @@ class KVCache(Cache):
         self.has_topk = False  # some row keeps a SnapKV selection (scoring runs at prefill)
         self.evictor = method.evictor()  # the method's decode-time behaviour (`evalkit.kv.evict`)
         self.rope = None  # positions -> (cos, sin): the model's rotary embedding, for scorers that undo RoPE
+        self.slot_mask = method.slot_mask  # which slots each KV head reads (one per row, or per head)
+        self.shape: Shape | None = None  # KV heads and layers, known at the first layer's prefill
         super().__init__(layers=[KVLayer(self, i) for i in range(num_layers)])
 
     @classmethod
@@ -235,10 +237,12 @@ class KVCache(Cache):
         return max_new_tokens  # the dynamic cache grows as it goes: any budget, or none
 
     # --- prefill --------------------------------------------------------------------------------------------
-    def prefill_rows(self, attention_mask, b: int, t: int, device) -> Rows:
-        """Plan the layout once, at the first layer's prefill; every later layer shares it."""
+    def prefill_rows(self, attention_mask, b: int, t: int, device, heads: int) -> Rows:
+        """Plan the layout once, at the first layer's prefill (KV heads `heads`); every later layer shares
+        it."""
         if self.rows is None:
-            rows = plan_rows(self.method, valid_columns(attention_mask, b, t, device))
+            self.shape = Shape(heads, len(self.layers))
+            rows = plan_rows(self.method, valid_columns(attention_mask, b, t, device), self.shape)
             extra = self._decode_room(rows.n, t)
             if extra:  # the slots an append method writes during decode (see `_decode_room`)
                 rows.valid = torch.cat([rows.valid, rows.valid.new_full((b, extra), not self.static)], 1)
@@ -329,9 +333,13 @@ class KVCache(Cache):
                 f"{support}"
             )
 
-    def decode_mask(self) -> torch.Tensor | None:
-        """The mask attention applies this step, built by `_advance` (None = attend to all `visible`
-        slots)."""
+    def decode_mask(self, layer: KVLayer) -> torch.Tensor | None:
+        """The mask attention applies to `layer` this step: the rows' (`row_mask`), narrowed per KV head
+        where the method's heads keep different slots (`slot_mask`)."""
+        return self.slot_mask.mask(layer, self.row_mask(), self.visible)
+
+    def row_mask(self) -> torch.Tensor | None:
+        """The rows' slot mask this step, built by `_advance` (None = attend to all `visible` slots)."""
         return self.step_mask
 
     def _causal(self, q: int, dev) -> torch.Tensor:
@@ -345,11 +353,13 @@ class KVCache(Cache):
         """Tokens seen, kept and evicted and bytes held: totals over batch rows, per layer and per row.
 
         `slots` is the slot count per row, layer and KV head (= budget for ring methods); bytes count those
-        slots (for a static cache, its whole allocation); `reserved_bytes` adds an append cache's spare room.
+        slots (for a static cache, its whole allocation); `reserved_bytes` adds an append cache's spare room;
+        `ragged_bytes` counts only the entries each head of each layer holds (what a ragged layout would hold:
+        less than `bytes` where heads or layers keep different counts, or a ring is not full).
         In a batch, a row that finished early keeps receiving pad tokens until the longest row ends.
         """
         rows = self.row_stats()
-        figures = ("seen", "kept", "evicted", "evicted_generated", "bytes")
+        figures = ("seen", "kept", "evicted", "evicted_generated", "bytes", "ragged_bytes")
         total = {k: sum(r[k] for r in rows) for k in figures}
         used = self._in_use()
         per_layer = [
@@ -389,13 +399,18 @@ class KVCache(Cache):
         if self.rows is None or self.layers[0].keys is None:
             return []
         rows, used = self.rows, self._in_use()
-        kept = self._kept()
-        slots = self._row_slots(kept)
+        valid = self._kept()  # slots holding an entry of some head
+        slots = self._row_slots(valid)
+        kept = self.slot_mask.kept(self, valid, used)  # entries per layer and head (adaptive: their mean)
         lengths = torch.tensor(rows.lengths, dtype=torch.int32, device=rows.valid.device)
         kept_generated = (self.layers[0].pos[:, 0, :used] >= lengths[:, None]).sum(1).tolist()
-        per_slot = sum(lay.entry_bytes() for lay in self.layers) // len(kept)  # one row, all layers, K and V
+        per_slot = sum(lay.entry_bytes() for lay in self.layers) // len(valid)  # one row, all layers, K and V
         # each row's per-row tensors, all layers: codes' scales, a raw window
-        scales = [sum(lay.row_scale_bytes(r) for lay in self.layers) for r in range(len(kept))]
+        scales = [sum(lay.row_scale_bytes(r) for lay in self.layers) for r in range(len(valid))]
+        ragged = sum(  # (B,) bytes of the entries held, head by head: one sync, at report time
+            (lay.pos[:, :, :used] >= 0).sum((1, 2)) * (lay.entry_bytes() // lay.pos[:, :, 0].numel())
+            for lay in self.layers
+        ).tolist()
         return [
             {
                 "seen": seen,
@@ -404,6 +419,7 @@ class KVCache(Cache):
                 "evicted_generated": seen - length - kept_generated[r],
                 "slots": slots[r],
                 "bytes": per_slot * slots[r] + scales[r],
+                "ragged_bytes": ragged[r] + scales[r],
             }
             for r, (seen, length) in enumerate(zip(rows.next_pos.tolist(), rows.lengths))
         ]

@@ -153,10 +153,12 @@ def batch_stats(done: list, engine) -> dict:
             "evicted_generated": d.stats["kv_evicted_generated"],
             "slots": d.stats["kv_slots"],
             "bytes": d.stats["kv_bytes"],
+            "ragged_bytes": d.stats["kv_ragged_bytes"],
         }
         for d in done
     ]
-    total = {k: sum(r[k] for r in rows) for k in ("seen", "kept", "evicted", "evicted_generated", "bytes")}
+    figures = ("seen", "kept", "evicted", "evicted_generated", "bytes", "ragged_bytes")
+    total = {k: sum(r[k] for r in rows) for k in figures}
     slots = sum(r["slots"] for r in rows)
     per_layer = [
         {**{k: total[k] for k in ("seen", "kept", "evicted")}, "layer": i, "bytes": width * slots}

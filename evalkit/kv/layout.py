@@ -41,20 +41,30 @@ def ring_slot(p, sink, tail):
     return torch.where(p < sink, p, sink + (p - sink) % tail)
 
 
-def prompt_slots(method, width: int) -> int:
+@dataclass(frozen=True)
+class Shape:
+    """What a cache's slot count may depend on besides the prompt: the KV heads one layer caches and the
+    layers (a head- or layer-adaptive budget's largest head or layer, `KVMethod.slots`)."""
+
+    heads: int
+    layers: int
+
+
+def prompt_slots(method, width: int, shape: Shape) -> int:
     """Slots a prompt `width` columns wide takes per row: a ring's budget, else the kept prompt (all of it, or
-    the budget)."""
-    budget = getattr(method, "budget", None)
-    return budget if method.ring else (width if budget is None else min(width, budget))
+    the slots its largest head and layer may keep: the budget for a uniform method)."""
+    if method.ring:
+        return method.budget
+    return width if method.budget is None else min(width, method.slots(shape))
 
 
-def slots_needed(method, prompt_len: int, max_new: int) -> int:
+def slots_needed(method, prompt_len: int, max_new: int, shape: Shape) -> int:
     """Slots one request needs for its whole decode: a ring stays its budget, an append cache adds a slot per
     generated token."""
-    return prompt_slots(method, prompt_len) + (0 if method.ring else max_new)
+    return prompt_slots(method, prompt_len, shape) + (0 if method.ring else max_new)
 
 
-def plan_rows(method, valid_cols: torch.Tensor) -> Rows:
+def plan_rows(method, valid_cols: torch.Tensor, shape: Shape) -> Rows:
     """Block sizes and the sink/tail slot positions for a left-padded prompt batch, valid_cols (B, T)."""
     b, t = valid_cols.shape
     dev = valid_cols.device
@@ -62,8 +72,9 @@ def plan_rows(method, valid_cols: torch.Tensor) -> Rows:
     pad = t - lengths
     if not torch.equal(valid_cols, torch.arange(t, device=dev)[None, :] >= pad[:, None]):
         raise ValueError("evalkit KV caches need left padding (tokenizer.padding_side = 'left')")
-    sink, tail_long, topk = method.blocks()
-    n = prompt_slots(method, t)
+    sink, tail_long, _ = method.blocks()
+    topk = method.top_slots(shape)  # a head's most top-K slots (its uniform top-K, or an adaptive bound)
+    n = prompt_slots(method, t, shape)
     sink = min(sink, n)
     # Whole prompt kept when it fits, except under the spec's fixed ring (`spare_slots="pad"`), whose short
     # prompts keep their middle in the top-K block and leave the unused slots as padding.
@@ -106,3 +117,34 @@ def valid_columns(attention_mask, b: int, t: int, device) -> torch.Tensor:
         return torch.ones(b, t, dtype=torch.bool, device=device)
     last = attention_mask[:, 0, -1, -t:]  # (B, T)
     return last if last.dtype == torch.bool else last == 0
+
+
+class SharedSlots:
+    """Every KV head of a row holds its entries in the same slots (a uniform budget): attention reads the
+    row's slot mask as it is, (B, 1, q, S) or None (the hot path, unchanged)."""
+
+    def mask(self, layer, shared: torch.Tensor | None, width: int) -> torch.Tensor | None:
+        return shared
+
+    def kept(self, cache, valid: list[int], used: int) -> list[int]:
+        """Entries kept per row, layer and head: the valid slots (every head holds one in each)."""
+        return valid
+
+
+class OwnSlots:
+    """Heads or layers keep different counts (head- and layer-adaptive budgets) in fixed-shape buffers sized
+    for the largest: a slot a head left empty (position -1) is masked for that head alone, (B, H, 1, S)."""
+
+    def mask(self, layer, shared: torch.Tensor | None, width: int) -> torch.Tensor:
+        own = layer.pos[:, :, None, :width] >= 0  # (B, H, 1, S): a decode step's slot is written before
+        return own if shared is None else own & shared
+
+    def kept(self, cache, valid: list[int], used: int) -> list[int]:
+        """Entries kept per row, as the mean over layers and heads (the uniform budget's count: a layer of
+        AdaKV keeps H x budget, PyramidKV's layers L x budget), not the slots any head uses."""
+        held = sum((lay.pos[:, :, :used] >= 0).sum((1, 2)) for lay in cache.layers)  # (B,)
+        heads = cache.layers[0].pos.shape[1] * len(cache.layers)
+        return (held // heads).tolist()
+
+
+SHARED = SharedSlots()  # frozen: no state, one for every uniform method

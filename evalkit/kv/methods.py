@@ -34,6 +34,7 @@ import torch
 
 from evalkit.kv import select
 from evalkit.kv.evict import Evictor, H2OEvictor, RefitEvictor
+from evalkit.kv.layout import SHARED, Shape, SharedSlots
 from evalkit.kv.scorers import PrefillView
 
 
@@ -67,10 +68,27 @@ class KVMethod:
     # Its decode in a static cache and the slot pool (`evalkit.kv.evict`): `Evictor` chooses nothing (the ring
     # or append); a decode-time method names its own (h2o: `H2OEvictor`, snapkv_decode: `RefitEvictor`).
     evictor: ClassVar[type[Evictor]] = Evictor
+    # Which slots each KV head reads at decode (`layout`): one mask per row (every head keeps alike), or per
+    # head where heads or layers keep different counts (`evalkit.kv.adaptive`)
+    slot_mask: ClassVar[SharedSlots] = SHARED
 
     def blocks(self) -> tuple[int, int, int]:
         """(sink, tail, top-K) used when a prompt does not fit in the budget."""
         raise NotImplementedError
+
+    def slots(self, shape: Shape) -> int:
+        """Slots per row a long prompt takes: the budget, or (adaptive budgets) what the largest head of the
+        largest layer may keep."""
+        return self.budget
+
+    def top_slots(self, shape: Shape) -> int:
+        """Top-K slots per row: the top-K block, or (adaptive budgets) the most one head of a layer keeps."""
+        return self.blocks()[2]
+
+    def place(self, pos, scores, rows, layer: int, shape: Shape, agree: select.Agree) -> None:
+        """Write each KV head's kept top-K positions into pos (B, H, n) in place; scores (B, H, T) per KV
+        head, -inf outside a row's candidates. Every head keeps the top-K block (`select.place_topk`)."""
+        select.place_topk(pos, scores, rows, self.blocks(), agree)
 
     def score(self, view: PrefillView) -> torch.Tensor | None:
         """Importance of each prompt position for the top-K block, (B, H_attn, T); None when not ranking.

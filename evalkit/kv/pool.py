@@ -96,6 +96,7 @@ class SlotPool(StaticKVCache):
             filled=[0] * batch,
         )
         pool.rows, pool.seen, pool.used, pool._prompt_width = rows, 0, capacity, 0
+        pool.shape = like.shape
         pool._prefilled(rows, 0)
         for src, layer in zip(like.layers, pool.layers):
             layer.lazy_initialization(src.keys, src.values)
@@ -119,7 +120,7 @@ class SlotPool(StaticKVCache):
         """Row r becomes a copy of the one-row prefilled cache `src` (any method and budget that fits), in
         place: buffer addresses never change, so a compiled (CUDA-graph) step keeps running on the new row."""
         n, cap = src.rows.n, self.capacity
-        need = slots_needed(src.method, src._prompt_width, src.max_new_tokens or 0)
+        need = slots_needed(src.method, src._prompt_width, src.max_new_tokens or 0, src.shape)
         if need > cap:
             raise ValueError(f"a request needs {need} slots, the pool has {cap} (grow it first)")
         for mine, theirs in zip(self.layers, src.layers):
@@ -202,7 +203,7 @@ class SlotPool(StaticKVCache):
         n = self.visible
         return self.storage.load(layer, layer.keys[:, :, :n], layer.values[:, :, :n])
 
-    def decode_mask(self) -> torch.Tensor:
+    def row_mask(self) -> torch.Tensor:
         """(B, 1, 1, visible): the valid-slot mask over the slots attention reads."""
         return self.rows.valid[:, None, None, : self.visible]
 

@@ -148,3 +148,21 @@ def accumulated_attention(query, keys, pad: torch.Tensor, scaling: float) -> tor
         probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a pad query's row is all -inf: adds 0
         out[..., :e] += probs.sum(dim=3)
     return out.mean(dim=2)
+
+
+def place_counts(pos: torch.Tensor, scores: torch.Tensor, rows, start: int, counts: torch.Tensor) -> None:
+    """Each KV head's top-`counts` prompt positions, in order, into pos[:, :, start:] (B, H, n), in place;
+    the slots past a head's count stay -1 (empty, masked for that head). scores (B, H, T) per KV head, -inf
+    outside a row's candidates; counts (B, H) at most the block's width and each row's candidates (the
+    adaptive budgets' `place_topk`)."""
+    b, h, t = scores.shape
+    width = pos.shape[-1] - start
+    best = scores.topk(min(width, t), dim=-1)  # (B, H, w) best first
+    rank = torch.arange(best.indices.shape[-1], device=pos.device)
+    take = (rank < counts[..., None]) & (best.values > float("-inf"))
+    picked = torch.full((b, h, width), t, dtype=best.indices.dtype, device=pos.device)
+    picked[..., : rank.shape[0]] = torch.where(take, best.indices - rows.pad[:, None, None], t)
+    picked = picked.sort(dim=-1).values  # kept positions in order, then the empty slots (t)
+    picked = torch.where(picked < t, picked, -1)
+    selecting = (rows.topk > 0)[:, None, None]  # rows kept whole use these slots for their tail
+    pos[:, :, start:] = torch.where(selecting, picked, pos[:, :, start:])

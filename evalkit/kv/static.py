@@ -78,7 +78,7 @@ class StaticKVCache(KVCache):
 
     def _decode_room(self, n: int, t: int) -> int:
         """One slot per new token, each marked valid when its token is written (attention reads them all)."""
-        return slots_needed(self.method, t, self.max_new_tokens or 0) - n
+        return slots_needed(self.method, t, self.max_new_tokens or 0, self.shape) - n
 
     def _prefilled(self, rows: Rows, t: int) -> None:
         """The per-step state as device tensors that every decode step updates in place."""
@@ -132,7 +132,7 @@ class StaticKVCache(KVCache):
         """Host hook after each engine decode step (a decode-time method's periodic re-selection)."""
         self.evictor.after_step(self, active)
 
-    def decode_mask(self) -> torch.Tensor:
+    def row_mask(self) -> torch.Tensor:
         """(B, 1, 1, slots): every slot is read, under the valid-slot mask."""
         return self.rows.valid[:, None, None, :]
 

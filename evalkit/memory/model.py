@@ -84,6 +84,14 @@ class KVGeometry:
     storage: Any = None
 
     @property
+    def shape(self):
+        """What a cache's slot count may depend on (`evalkit.kv.layout.Shape`: adaptive budgets size their
+        slots by the KV heads and layers)."""
+        from evalkit.kv.layout import Shape
+
+        return Shape(self.cached_heads, self.layers)
+
+    @property
     def bytes_per_entry(self) -> int:
         """Bytes of one cache slot (one token) across all layers and cached heads, in `kv_bits` (the dtype's
         figure: a quantized storage's bytes are `sequence_bytes`)."""

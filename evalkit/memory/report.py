@@ -136,7 +136,7 @@ def row(dep: Deployment, cfg: dict, context: int, method: str, budget: int | Non
     """One configuration: KV sizes, capacity-limited and reservation-calibrated max batch, placement and
     throughput at the configured batch ("max" = the capacity-limited max batch), SRAM tile."""
     decode, method = cfg["decode_len"], canonical_method(method)
-    entries = kv_entries(method, budget, context, decode)
+    entries = kv_entries(method, budget, context, decode, dep.model.kv.shape)
     max_batch = dep.max_batch(entries)
     max_batch_cal = dep.max_batch(entries, kv_reserve_bytes(cfg))
     batch = max_batch if cfg["batch"] == "max" else _batch(cfg["batch"])
@@ -214,16 +214,19 @@ def paper_check(dep: Deployment, cfg: dict) -> list[dict[str, Any]]:
     return out
 
 
-def run_entries(method: str, budget: int | None, prefill: int, seen: int) -> int:
+def run_entries(method: str, budget: int | None, prefill: int, seen: int, shape) -> int:
     """Slots an evalkit cache holds after `seen` tokens of which its prefill compressed `prefill`, as the
     runner sizes it (`slots_needed` of the method object): fixed-size caches hold B (static shape: a ring the
     question, answers and later turns pass through), full every token, an appending method (snapkv, the
     rival prefill methods) min(prefill, B) and every token fed after the prefill. Query-aware, the prefill is
     the whole prompt; query-agnostic, the context alone (the question is fed after it); in a multi-question
-    conversation the context, with every later question and answer appended."""
+    conversation the context, with every later question and answer appended. Head- and layer-adaptive
+    budgets hold the slots of their largest head and layer in every head (`KVMethod.slots` of the model's
+    `shape`, `evalkit.kv.layout.Shape`): what their buffers hold (a ragged layout's bytes:
+    `kv.peak_ragged_bytes`)."""
     from evalkit.kv.layout import slots_needed
 
-    return slots_needed(method_of(method, budget), prefill, seen - prefill)
+    return slots_needed(method_of(method, budget), prefill, seen - prefill, shape)
 
 
 def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
@@ -244,7 +247,7 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
             if kv.get("peak_seen_tokens") is not None:
                 # a metrics.json from before `peak_prefill_tokens`: the prompt was the prefill (query-aware)
                 source, prefill = "lengths", kv.get("peak_prefill_tokens") or kv["peak_prompt_tokens"]
-                entries = run_entries(method, budget, int(prefill), int(kv["peak_seen_tokens"]))
+                entries = run_entries(method, budget, int(prefill), int(kv["peak_seen_tokens"]), geo.shape)
             elif method_of(method, budget).ring:  # a fixed-size cache: its budget
                 source, entries = "budget", int(budget)
             else:  # an older metrics.json without lengths: a growing cache cannot be predicted, only echoed

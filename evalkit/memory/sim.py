@@ -45,7 +45,7 @@ def method_of(name: str, budget: int | None = None):
         raise MemoryReportError(str(e)) from None
 
 
-def kv_entries(method: str, budget: int | None, context: int, decode: int = 0) -> int:
+def kv_entries(method: str, budget: int | None, context: int, decode: int, shape) -> int:
     """Cache slots per layer and KV head at the end of decoding, as the runner's caches are sized
     (`evalkit.kv.layout.slots_needed`): full: every token; a fixed-size cache (a ring, or a decode-time
     evictor: snapstream, streamingllm, h2o, tova_decode, ...) B, padded when the prompt is shorter; an
@@ -63,7 +63,7 @@ def kv_entries(method: str, budget: int | None, context: int, decode: int = 0) -
         if budget > context:
             raise MemoryReportError(f"method.budget={budget} exceeds context_len={context} ({name})")
         obj = method_of(name, budget)
-    return slots_needed(obj, context, decode)
+    return slots_needed(obj, context, decode, shape)  # shape: the model's KV heads and layers
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,8 @@ def memory_row(
     `comp_lengths`: the compressed run's cache_lengths (what its prefill compressed of each request)."""
     prefill, prompt, seen, basis = context_of(full, full_rows, comp_lengths)
     spec, spec_full = spec_of(full, deploy, storage_of(comp)), spec_of(full, deploy)
-    entries, ring = run_entries(comp.method, comp.budget, prefill, seen), ring_of(comp)
+    # adaptive budgets hold their largest head's slots: the model's KV heads and layers size them
+    entries, ring = run_entries(comp.method, comp.budget, prefill, seen, spec.kv.shape), ring_of(comp)
     kv = comp.metrics.kv
     row = {
         "context_tokens": seen,

@@ -32,9 +32,9 @@ def test_invalid_settings_fail_at_construction(name, settings, message):
 def test_unknown_method_lists_choices():
     with pytest.raises(
         ConfigError,
-        match="unknown method 'pyramidkv'; valid choices: expected_attention, expected_attention_ring, full, "
-        "h2o, keydiff, knorm, kvzip, kvzip_ring, snapkv, snapkv_decode, snapstream, streamingllm, tova, "
-        "tova_decode",
+        match="unknown method 'pyramidkv'; valid choices: adakv_expected_attention, adakv_snapkv, "
+        "expected_attention, expected_attention_ring, full, h2o, keydiff, knorm, kvzip, kvzip_ring, "
+        "pyramidkv_snapkv, snapkv, snapkv_decode, snapstream, streamingllm, tova, tova_decode",
     ):
         make_method("pyramidkv")
 

@@ -11,6 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from evalkit.config import compose
+from evalkit.kv.layout import Shape
 from evalkit.memory import (
     Deployment,
     Hardware,
@@ -146,7 +147,7 @@ def test_deepseek_weights_fp8_and_active_parameters():
     ],
 )
 def test_kv_entries_per_method(method, budget, expected):
-    assert kv_entries(method, budget, context=1000, decode=50) == expected
+    assert kv_entries(method, budget, context=1000, decode=50, shape=Shape(3, 30)) == expected
 
 
 # --- the paper's Table 5 --------------------------------------------------------------------------
@@ -361,8 +362,9 @@ def test_every_method_is_predicted_by_its_cache_kind(tmp_path):
         write_run(tmp_path, f"m/{method}/{budget}", method, budget, entries, SMOL_BYTES_PER_ENTRY * entries)
     rows, notes = measured_rows(tmp_path)
     assert not notes and len(rows) == 4 and all(r["match"] for r in rows), (rows, notes)
-    assert run_entries("expected_attention", 256, prefill=100, seen=164) == 164  # a prompt within the budget
-    assert run_entries("snapkv_decode", 256, prefill=2000, seen=2064) == 256
+    smol = Shape(3, 30)  # SmolLM2-135M: 3 KV heads, 30 layers (adaptive budgets size slots by them)
+    assert run_entries("expected_attention", 256, prefill=100, seen=164, shape=smol) == 164  # within budget
+    assert run_entries("snapkv_decode", 256, prefill=2000, seen=2064, shape=smol) == 256
 
 
 def test_measured_mismatch_is_flagged(tmp_path):
@@ -399,7 +401,7 @@ def test_missing_weight_fields_suggest_the_override():
 
 def test_budget_above_context_is_rejected():
     with pytest.raises(MemoryReportError, match="method.budget=4096 exceeds context_len=2048"):
-        kv_entries("snapstream", 4096, context=2048)
+        kv_entries("snapstream", 4096, context=2048, decode=0, shape=Shape(3, 30))
 
 
 def test_budget_above_every_context_in_a_sweep_is_rejected(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from evalkit.kv.layout import Shape
 from evalkit.memory.report import measured_rows, run_entries
 from evalkit.memory.sim import canonical_method
 from evalkit.report import settings
@@ -126,7 +127,8 @@ def test_the_modelled_cache_is_what_real_query_agnostic_and_multi_question_runs_
         assert len(lengths) == (4 if run.task.endswith("multi_question") else 1)
         for (sid, r), (prefill, _, seen) in lengths.items():
             held = rows[sid]["generation"][r]["kv_slots"]
-            assert run_entries(canonical_method(run.method), run.budget, prefill, seen) == held, (
+            tiny = Shape(2, 2)  # tiny_llama: 2 KV heads, 2 layers
+            assert run_entries(canonical_method(run.method), run.budget, prefill, seen, tiny) == held, (
                 run.rel,
                 sid,
             )
