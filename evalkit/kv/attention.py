@@ -63,10 +63,11 @@ def evalkit_attention(module, query, key, value, attention_mask, scaling=None, *
 def static_decode_sdpa(query, key, value, mask, scaling):
     """One decode query over every slot of a static cache, under its slot mask.
 
-    query (B, H_q, 1, D), key/value (B, H_kv, S, D_k / D_v), mask (B, 1, 1, S) bool -> ((B, 1, H_q, D_v),
-    None). The H_q / H_kv query heads of a GQA group ride as query rows of their KV head, so K/V are read
-    once, never repeated per query head (transformers' sdpa does this only outside torch.compile, and repeats
-    K/V inside it): the eager and the compiled step run the same attention.
+    query (B, H_q, 1, D), key/value (B, H_kv, S, D_k / D_v), mask (B, 1, 1, S) bool (per head under
+    head-adaptive budgets: (B, H_kv, 1, S)) -> ((B, 1, H_q, D_v), None). The H_q / H_kv query heads of a GQA
+    group ride as query rows of their KV head, so K/V are read once, never repeated per query head
+    (transformers' sdpa does this only outside torch.compile, and repeats K/V inside it): the eager and the
+    compiled step run the same attention.
     """
     b, h_q, _, d = query.shape
     h_kv = key.shape[1]

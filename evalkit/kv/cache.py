@@ -102,8 +102,10 @@ class KVLayer(CacheLayerMixin):
         rows = self.cache.prefill_rows(attention_mask, b, keys.shape[2], keys.device, h)
         pos = rows.base_pos[:, None, :].expand(b, h, rows.n).clone()  # (B, H, n) position per slot
         method, evictor = self.cache.method, self.cache.evictor
-        scores = None
-        if self.cache.has_topk or evictor.prompt_scores:  # (B, H_attn, T); pads are masked out of the softmax
+        scores, record = None, self.cache.record
+        # a budget list's record: a prompt this budget keeps whole is still scored for the budgets after it
+        records = record is not None and record.usable and method.records_score
+        if self.cache.has_topk or evictor.prompt_scores or records:  # (B, H_attn, T); pads masked out
             view = PrefillView(
                 query,
                 attn_keys,
@@ -116,8 +118,7 @@ class KVLayer(CacheLayerMixin):
                 hint,
             )
             raw = method.score(view)  # (B, H_attn, T)
-            record = self.cache.record
-            if record is not None and record.usable and method.records_score:  # replayed as the hint
+            if records:  # replayed as the hint
                 record.hints[self.layer_idx] = raw
             scores = group_mean(raw, h)
         if self.cache.has_topk:

@@ -130,6 +130,11 @@ class SharedSlots:
         """Entries kept per row, layer and head: the valid slots (every head holds one in each)."""
         return valid
 
+    def admits(self, other) -> bool:
+        """Whether a pool reading slots this way may hold a row whose heads keep slots `other`'s way: a
+        shared mask would read a head's empty slots as zero keys."""
+        return isinstance(other, SharedSlots)
+
 
 class OwnSlots:
     """Heads or layers keep different counts (head- and layer-adaptive budgets) in fixed-shape buffers sized
@@ -145,6 +150,10 @@ class OwnSlots:
         held = sum((lay.pos[:, :, :used] >= 0).sum((1, 2)) for lay in cache.layers)  # (B,)
         heads = cache.layers[0].pos.shape[1] * len(cache.layers)
         return (held // heads).tolist()
+
+    def admits(self, other) -> bool:
+        """Any row: a uniform one's slots are its heads' own too."""
+        return True
 
 
 SHARED = SharedSlots()  # frozen: no state, one for every uniform method

@@ -2,9 +2,11 @@
 
 Each request is prefilled alone into its own one-row cache, then copied into a free row of the pool; every row
 keeps its own method, budget, ring and positions (`StaticKVCache`'s per-row state), so rows of different
-budgets decode side by side, and buffer addresses never change, so a compiled (CUDA-graph) step keeps running
-as rows are refilled. The rows' method's evictor (`evalkit.kv.evict`) keeps its own per-row state beside them
-(one evictor kind per pool). Used by `evalkit.engine`.
+budgets decode side by side, and buffer addresses never change as rows are refilled, so a compiled
+(CUDA-graph) step keeps running (except where the pool grows: more slots for a longer request, or an int
+storage's wider residual window for a wider ring, each a new shape compiled once more). The rows' method's
+evictor (`evalkit.kv.evict`) keeps its own per-row state beside them (one evictor kind per pool). Used by
+`evalkit.engine`.
 
 With `Buckets` (the engine's), a step attends over the filled slots rounded up to a bucket (`visible`), not
 the whole capacity: a full cache sized for prompt + max_new_tokens reads what it holds, and a compiled step is
@@ -118,11 +120,17 @@ class SlotPool(StaticKVCache):
 
     def load_row(self, r: int, src: KVCache) -> None:
         """Row r becomes a copy of the one-row prefilled cache `src` (any method and budget that fits), in
-        place: buffer addresses never change, so a compiled (CUDA-graph) step keeps running on the new row."""
+        place: buffer addresses never change (unless an int storage's windows must grow for its ring), so a
+        compiled (CUDA-graph) step keeps running on the new row."""
         n, cap = src.rows.n, self.capacity
         need = slots_needed(src.method, src._prompt_width, src.max_new_tokens or 0, src.shape)
         if need > cap:
             raise ValueError(f"a request needs {need} slots, the pool has {cap} (grow it first)")
+        if not self.slot_mask.admits(src.slot_mask):
+            raise ValueError(
+                f"{src.method.name} keeps other slots per KV head, but this pool reads one slot mask per row "
+                f"(it was shaped like a {self.method.name} row): shape the pool like a per-head row"
+            )
         for mine, theirs in zip(self.layers, src.layers):
             # slots from n on keep the last occupant's (finite) K/V: masked until written, never read
             mine.pos[r, :, n:].fill_(-1)

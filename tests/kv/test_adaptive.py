@@ -307,6 +307,32 @@ def test_uniform_methods_read_one_mask_per_row():
         assert cache.decode_mask(cache.layers[0]) is cache.step_mask
 
 
+def test_a_pool_read_through_one_mask_per_row_refuses_a_per_head_row():
+    """A pool shaped like a uniform row would read an adaptive row's empty head slots as zero keys: it refuses
+    the row; a pool shaped like the adaptive row takes both kinds (a uniform row's slots are its heads')."""
+    from evalkit.kv.pool import SlotPool
+
+    model = tiny_model("llama", seed=5)
+    ids = prompt()
+
+    def prefilled(method):
+        cache = KVCache.for_model(method, model, max_new_tokens=4)
+        with torch.no_grad():
+            model(ids, cache=cache)
+        return cache
+
+    uniform, adaptive = (
+        prefilled(SnapKV(budget=40, window=W)),
+        prefilled(AdaKV(budget=40, inner=SnapKV(window=W))),
+    )
+    shared = SlotPool.shaped_like(uniform, 2, 400)
+    with pytest.raises(ValueError, match="keeps other slots per KV head"):
+        shared.load_row(0, adaptive)
+    own = SlotPool.shaped_like(adaptive, 2, 400)
+    own.load_row(0, adaptive)
+    own.load_row(1, uniform)
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [

@@ -165,3 +165,23 @@ def test_an_expected_attention_record_keeps_the_score_not_every_query(ring):
     assert all(torch.equal(a, b) for a, b in zip(alone.logits, replayed.logits))
     for layer in range(cfg.num_hidden_layers):
         assert torch.equal(alone_cache.positions(layer), replay_cache.positions(layer)), layer
+
+
+def test_an_expected_attention_record_is_scored_when_its_first_budget_keeps_the_whole_prompt():
+    """A budget list in the conf's order, not ascending: the first budget keeps the whole 60-token prompt
+    (nothing to rank), yet it records the score for the smaller budget after it, which then replays its own
+    prefill's selection (it raised: the record held neither the score nor every query)."""
+    from evalkit.kv import ExpectedAttention
+
+    model = tiny_model("llama", seed=8)
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(9))
+    whole, small = ExpectedAttention(budget=96, future=64), ExpectedAttention(budget=24, future=64)
+    record = PrefillRecord(window=max(32, whole.window, small.window))
+    gen(model, ids, KVCache.for_model(whole, model, record=record), False)
+    assert len(record.hints) == model.config.num_hidden_layers
+    alone_cache = KVCache.for_model(small, model)
+    replay_cache = KVCache.for_model(small, model, replay=record)
+    alone, replayed = gen(model, ids, alone_cache, False), gen(model, ids, replay_cache, False)
+    assert torch.equal(alone.sequences, replayed.sequences)
+    for layer in range(model.config.num_hidden_layers):
+        assert torch.equal(alone_cache.positions(layer), replay_cache.positions(layer)), layer

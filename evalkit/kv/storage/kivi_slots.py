@@ -81,7 +81,8 @@ def seal(s, layer) -> None:
     s.check_widths(keys.shape[-1], values.shape[-1])
     rows = cache.rows
     b, h, cap = keys.shape[:3]
-    valid = rows.valid[:, None, :cap].expand(b, h, cap)  # (B, H, cap): empty slots count for no range
+    # (B, H, cap): empty slots count for no range, a head's own empty ones too (adaptive budgets: pos -1)
+    valid = rows.valid[:, None, :cap] & (layer.pos[:, :, :cap] >= 0)
     if cache.method.ring:
         kb, vb, windows = _seal_ring(s, cache, keys, values, valid)
     else:
@@ -139,7 +140,8 @@ def write(s, layer, k: torch.Tensor, v: torch.Tensor) -> None:
     if kwin.shape[2] >= r:  # a shape: some row of this cache may append
         block = (slot[:, None] - r + torch.arange(r, device=slot.device)).clamp(min=0)  # (B, R) its slots
         due = (~ring & (slot % r == 0) & (slot > 0))[:, None, None, None]
-        valid = layer.cache.rows.valid.gather(1, block)[:, None].expand(-1, kwin.shape[1], -1)  # (B, H, R)
+        held = layer.pos.gather(2, block[:, None].expand(-1, kwin.shape[1], -1)) >= 0  # (B, H, R) per head
+        valid = layer.cache.rows.valid.gather(1, block)[:, None] & held
         coded = key_slot_bytes(s, kwin[:, :, :r], valid).transpose(1, 2)  # (B, R, H, bytes)
         at = (row[:, None], slice(None), block)
         layer.keys[at] = torch.where(due, coded, layer.keys[at])
