@@ -185,5 +185,5 @@ def engine_service(
     backend = EngineBackend(model, tokenizer, rows, queue_limit, compile=compile, team=team, storage=storage)
     held = {"dtype": str(model.dtype).removeprefix("torch."), **storage.describe()}  # the model's, and how
     context = context or model.config.max_position_embeddings
-    card = Card(name, context, make_method(conf), conf, held, source, git_sha(), max_n)
+    card = Card(name, context, make_method(conf), conf, held, source, git_sha(), max_n, kv=storage)
     return Service(card, tokenizer, backend)

@@ -30,6 +30,7 @@ class Card:
     source: str  # where the weights came from (metrics.json model.source)
     git_sha: str | None
     max_n: int
+    kv: object = None  # the `KVStorage` itself (`storage` is its record): it refuses a request's own budget
     created: int = field(default_factory=lambda: int(time.time()))
 
     def entry(self, backend_stats: dict) -> dict:
@@ -106,6 +107,8 @@ class Service:
                 raise ApiError(
                     400, f"budget={budget} is above the context of {self.card.context} tokens", "budget"
                 )
+            if self.card.kv is not None and (why := self.card.kv.refusal(made)) is not None:
+                raise ApiError(400, f"budget: {why}", "budget")  # e.g. a ring's budget int KV cannot group
             self._methods[budget] = made
         return self._methods[budget]
 

@@ -42,3 +42,23 @@ def test_the_card_reports_the_storage_and_the_pool_holds_it(serve, tiny_llama, o
     assert answer["usage"]["kv"]["storage"]["name"] == "int4"
     layer = svc.backend.engine.pool.layers[0]
     assert str(layer.keys.dtype) == "torch.uint8" and len(layer.scales) == 3  # codes + raw windows
+
+
+def test_a_request_budget_the_storage_refuses_is_a_400(serve, tokenizer):
+    """A request's own budget is checked against the server's storage as a run's is: a ring budget int KV
+    cannot group is the client's error (400 naming the rule), never an engine crash."""
+    from omegaconf import OmegaConf
+
+    from evalkit.config import group_config
+    from evalkit.kv.config import make_method
+    from evalkit.serve.service import Card, Service
+    from tests.serve.conftest import FakeBackend
+
+    conf = OmegaConf.merge(group_config("method", "snapstream"), {"budget": 64})
+    card = Card("fake", 256, make_method(conf), conf, {}, "fake", None, 4, kv=make_storage("int4", group=8))
+    url, _ = serve(Service(card, tokenizer, FakeBackend(tokenizer)))
+    body = {"model": "fake", "prompt": "The lamp", "max_tokens": 2, "temperature": 0}
+    bad = post(url, "/v1/completions", {**body, "budget": 60})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "budget"
+    assert "must be a multiple of group=8" in bad.json()["error"]["message"]
+    assert post(url, "/v1/completions", {**body, "budget": 48}).status_code == 200
