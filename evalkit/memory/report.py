@@ -214,7 +214,7 @@ def paper_check(dep: Deployment, cfg: dict) -> list[dict[str, Any]]:
     return out
 
 
-def run_entries(method: str, budget: int | None, prefill: int, seen: int, shape) -> int:
+def run_entries(method: str, budget: int | None, prefill: int, seen: int, shape, conf=None) -> int:
     """Slots an evalkit cache holds after `seen` tokens of which its prefill compressed `prefill`, as the
     runner sizes it (`slots_needed` of the method object): fixed-size caches hold B (static shape: a ring the
     question, answers and later turns pass through), full every token, an appending method (snapkv, the
@@ -226,7 +226,7 @@ def run_entries(method: str, budget: int | None, prefill: int, seen: int, shape)
     `kv.peak_ragged_bytes`)."""
     from evalkit.kv.layout import slots_needed
 
-    return slots_needed(method_of(method, budget), prefill, seen - prefill, shape)
+    return slots_needed(method_of(method, budget, conf), prefill, seen - prefill, shape)
 
 
 def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
@@ -242,13 +242,15 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
             hf_config, dtype, kv = m.model["hf_config"], m.model["dtype"], m.kv
             # any method with a conf: its cache slots follow from its class (`run_entries`)
             method, budget = METHOD_ALIASES.get(m.method["name"], m.method["name"]), m.method.get("budget")
+            conf = (m.config or {}).get("method")  # the settings it ran with (None in an older metrics.json)
             peak_bytes, peak_entries = int(kv["peak_bytes"]), int(kv["peak_entries"])
             geo = kv_geometry(hf_config, dtype, kv["cache_layout"])
             if kv.get("peak_seen_tokens") is not None:
                 # a metrics.json from before `peak_prefill_tokens`: the prompt was the prefill (query-aware)
                 source, prefill = "lengths", kv.get("peak_prefill_tokens") or kv["peak_prompt_tokens"]
-                entries = run_entries(method, budget, int(prefill), int(kv["peak_seen_tokens"]), geo.shape)
-            elif method_of(method, budget).ring:  # a fixed-size cache: its budget
+                seen = int(kv["peak_seen_tokens"])
+                entries = run_entries(method, budget, int(prefill), seen, geo.shape, conf)
+            elif method_of(method, budget, conf).ring:  # a fixed-size cache: its budget
                 source, entries = "budget", int(budget)
             else:  # an older metrics.json without lengths: a growing cache cannot be predicted, only echoed
                 source, entries = "measured", peak_entries

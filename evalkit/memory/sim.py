@@ -31,16 +31,21 @@ def canonical_method(name: str) -> str:
     return method
 
 
-def method_of(name: str, budget: int | None = None):
+def method_of(name: str, budget: int | None = None, conf=None):
     """The method object a run of conf method `name` at `budget` builds (`full` takes none): what a cache
-    holds follows from it, never from its name."""
+    holds follows from it, never from its name. `conf`: the run's own composed method node (`_target_` and
+    every setting it ran with: an adaptive budget's alpha or beta sizes its slots), else the conf's
+    defaults."""
     from evalkit.config import ConfigError, group_config
     from evalkit.kv.config import make_method, method_class
 
     name = canonical_method(name)
-    takes_budget = method_class(group_config("method", name).get("_target_")).budget_applies
+    node = group_config("method", name)
+    takes_budget = method_class(node.get("_target_")).budget_applies
+    if takes_budget and isinstance(conf, dict) and conf.get("_target_") == node.get("_target_"):
+        node = conf  # full keeps every entry whatever its settings (a budget list's `budget` among them)
     try:
-        return make_method(name, **({"budget": budget} if takes_budget and budget is not None else {}))
+        return make_method(node, **({"budget": budget} if takes_budget and budget is not None else {}))
     except ConfigError as e:
         raise MemoryReportError(str(e)) from None
 

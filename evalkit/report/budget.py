@@ -179,7 +179,9 @@ def memory_row(
     prefill, prompt, seen, basis = context_of(full, full_rows, comp_lengths)
     spec, spec_full = spec_of(full, deploy, storage_of(comp)), spec_of(full, deploy)
     # adaptive budgets hold their largest head's slots: the model's KV heads and layers size them
-    entries, ring = run_entries(comp.method, comp.budget, prefill, seen, spec.kv.shape), ring_of(comp)
+    conf = (comp.config or {}).get("method")  # the settings it ran with: an adaptive budget's alpha or beta
+    entries = run_entries(comp.method, comp.budget, prefill, seen, spec.kv.shape, conf)
+    ring = ring_of(comp)
     kv = comp.metrics.kv
     row = {
         "context_tokens": seen,

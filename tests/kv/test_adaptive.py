@@ -386,3 +386,16 @@ def test_a_run_records_both_byte_figures_and_the_memory_report_models_the_buffer
     assert kv["mean_kept_entries"] == 64 + 5 and kv["peak_entries"] == 96 + 5
     rows, notes = measured_rows(tmp_path)
     assert not notes and [r["match"] for r in rows] == [True], rows
+
+
+def test_the_memory_report_sizes_a_run_with_its_own_settings(tmp_path):
+    """An AdaKV run at a non-default floor (alpha 0.9 at budget 128: 141 slots per head, the conf's 0.2 224):
+    the memory report's prediction uses the settings the run ran with, and equals its measured bytes (it
+    rebuilt the method from the conf's defaults before)."""
+    from evalkit.memory.report import measured_rows
+    from tests.conftest import fresh_run
+
+    run = ["model=tiny_llama", "model.max_new_tokens=6", "task.load.n=1", "task.load.lengths=[1024]"]
+    fresh_run(*run, "method=adakv_snapkv", "method.budget=128", "method.alpha=0.9", results=tmp_path)
+    rows, notes = measured_rows(tmp_path)
+    assert not notes and [r["match"] for r in rows] == [True], rows
