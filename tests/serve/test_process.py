@@ -52,7 +52,8 @@ def test_an_unknown_serve_setting_lists_the_valid_ones():
         (["serve.prot=1"], f"unknown setting 'serve.prot'; {SERVE_SETTINGS}"),
         (
             ["method=nope"],
-            "unknown method 'nope'; valid choices: expected_attention, expected_attention_ring",
+            "unknown method 'nope'; valid choices: adakv_expected_attention, adakv_snapkv, "
+            "expected_attention, expected_attention_ring",
         ),
         (["serve.port=80", "+serve"], "Error parsing override '+serve'"),
     ],

@@ -20,23 +20,14 @@ full cache's ragged layout; the slot caches hold the same split per slot (`kivi_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from evalkit.kv.storage import kivi_slots
 from evalkit.kv.storage.base import KVStorage, tensor_bytes
+from evalkit.kv.storage.codes import Codes
 
 BITS = (2, 4, 8)
-
-
-class Codes(NamedTuple):
-    """One side (K or V) of quantized entries: packed codes (..., T, D * bits / 8) uint8; scale and zero point
-    in the model dtype, keys (..., T / group, D), values (..., T, D / group)."""
-
-    codes: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from evalkit.kv.storage import kivi  # Codes (kivi imports this module: read at call time)
+from evalkit.kv.storage.codes import Codes
 
 
 # --- per-slot bytes ---------------------------------------------------------------------------------------
@@ -48,7 +48,7 @@ def keys_of(s, x: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor:
     stripe = 2 * width * dtype.itemsize // g
     params = x[..., :stripe].unflatten(2, (-1, g)).flatten(-2).contiguous().view(dtype)  # (B, H, V'/G, 2D)
     params = params.unflatten(-1, (2, width))
-    keys = s.dequantize_keys(kivi.Codes(x[..., stripe:], params[..., 0, :], params[..., 1, :]), dtype)
+    keys = s.dequantize_keys(Codes(x[..., stripe:], params[..., 0, :], params[..., 1, :]), dtype)
     return keys[:, :, :v]
 
 
@@ -63,7 +63,7 @@ def values_of(s, x: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tenso
     """(B, H, V, P + C) uint8 slots -> values (B, H, V, D_v) in `dtype`."""
     p = 2 * (width // s.group) * dtype.itemsize
     params = x[..., :p].contiguous().view(dtype).unflatten(-1, (2, -1))  # (B, H, V, 2, D_v / G)
-    return s.dequantize_values(kivi.Codes(x[..., p:], params[..., 0, :], params[..., 1, :]), dtype)
+    return s.dequantize_values(Codes(x[..., p:], params[..., 0, :], params[..., 1, :]), dtype)
 
 
 def slot_widths(s, key_width: int, value_width: int, itemsize: int) -> tuple[int, int]:
