@@ -19,14 +19,12 @@ import csv
 import math
 from pathlib import Path
 
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from evalkit.config import CONF_DIR, group_config
-from evalkit.kv.config import method_class
 from evalkit.memory.model import MemoryReportError, ModelSpec, model_spec
 from evalkit.memory.report import kv_storage, run_entries
-from evalkit.memory.sim import Deployment, Hardware
+from evalkit.memory.sim import Deployment, Hardware, method_of
 from evalkit.report.runs import Run
 
 
@@ -65,11 +63,24 @@ def ring_of(run: Run) -> int:
     quantized storage keeps it in the model dtype); 0 for an appending cache."""
     if run.budget is None:
         return 0
-    cfg = group_config("method", str(run.metrics.method.get("conf") or run.method))
-    if not method_class(cfg.get("_target_")).ring:
-        return 0
-    own = {k: v for k, v in run.metrics.method.items() if k in cfg and k != "_target_"}
-    return int(instantiate(OmegaConf.merge(cfg, own)).blocks()[1])
+    method = method_of(conf_name(run), run.budget, method_node(run))
+    return int(method.blocks()[1]) if method.ring else 0
+
+
+def conf_name(run: Run) -> str:
+    """The run's method conf (its folder under conf/method/)."""
+    return str(run.metrics.method.get("conf") or run.method)
+
+
+def method_node(run: Run) -> dict:
+    """The method node the run was built from: its saved config's, or (a metrics.json without one) its conf
+    with the plain settings it recorded (a nested record, a ring's scorer, is a description, not a node)."""
+    node = run.config.get("method") if run.config else None
+    if isinstance(node, dict) and node.get("_target_"):
+        return node
+    conf = OmegaConf.to_container(group_config("method", conf_name(run)))
+    recorded = run.metrics.method.items()
+    return conf | {k: v for k, v in recorded if k in conf and k != "_target_" and not isinstance(v, dict)}
 
 
 def deployment(spec: ModelSpec, hw: Hardware, deploy: dict, ring: int = 0) -> Deployment:
@@ -179,8 +190,8 @@ def memory_row(
     prefill, prompt, seen, basis = context_of(full, full_rows, comp_lengths)
     spec, spec_full = spec_of(full, deploy, storage_of(comp)), spec_of(full, deploy)
     # adaptive budgets hold their largest head's slots: the model's KV heads and layers size them
-    conf = (comp.config or {}).get("method")  # the settings it ran with: an adaptive budget's alpha or beta
-    entries = run_entries(comp.method, comp.budget, prefill, seen, spec.kv.shape, conf)
+    # the settings it ran with: an adaptive budget's alpha or beta sizes its slots
+    entries = run_entries(conf_name(comp), comp.budget, prefill, seen, spec.kv.shape, method_node(comp))
     ring = ring_of(comp)
     kv = comp.metrics.kv
     row = {

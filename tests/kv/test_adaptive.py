@@ -19,7 +19,7 @@ from evalkit.kv.layout import SHARED
 from evalkit.kv.methods import RunFacts
 from tests.conftest import TINY, tiny_model
 from tests.kv.test_compile import Counting, assert_same_generation, gen
-from tests.kv.test_rivals import L, StubTokenizer, held_sets, prompt, spy  # noqa: F401
+from tests.kv.test_rivals import L, StubTokenizer, assert_batch_equals_single, held_sets, prompt, spy  # noqa: F401
 
 W, KERNEL = 8, 3  # SnapKV's window and pooling kernel here (small, so the top-K block is most of a budget)
 
@@ -193,17 +193,7 @@ IDS = ["adakv_snapkv", "adakv_knorm", "pyramidkv"]
 def test_batch_equals_single(method):
     """A left-padded batch of three prompts through the engine's slot pool gives each row the tokens that
     prompt gives alone."""
-    model = tiny_model("llama", seed=5)
-    lengths = [150, 97, 61]
-    rows = [prompt(seed=10 + i, n=n)[0] for i, n in enumerate(lengths)]
-    t = max(lengths)
-    ids = torch.stack([torch.cat([torch.zeros(t - len(r), dtype=torch.long), r]) for r in rows])
-    mask = (torch.arange(t)[None, :] >= (t - torch.tensor(lengths))[:, None]).long()
-    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, tokenizer=StubTokenizer())
-    batch, _ = generate(model, ids, method, attention_mask=mask, **kw)
-    for r, row in enumerate(rows):
-        alone, _ = generate(model, row[None], method, **kw)
-        assert batch[r, t:].tolist() == alone[0, len(row) :].tolist(), r
+    assert_batch_equals_single(method, max_new_tokens=12, min_new_tokens=12)
 
 
 @pytest.mark.parametrize("method", METHODS, ids=IDS)

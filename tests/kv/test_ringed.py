@@ -136,3 +136,25 @@ def test_a_ring_runs_folder_names_its_conf_and_changed_scorer_settings(tmp_path)
     assert out.parts[-2:] == ("kvzip_ring", "64-recent16-scorer.chunk512")
     out = planned_folder(tmp_path, "model=tiny_llama", "method=expected_attention_ring", "method.budget=64")
     assert out.parts[-2:] == ("expected_attention_ring", "64")
+
+
+def test_the_report_reads_a_scorer_rings_recent_block_from_its_run(tmp_path):
+    """The report rebuilds a run's method to read its ring (the entries a quantized storage keeps in the model
+    dtype): for expected_attention_ring it merged the recorded scorer description (its `name` among its
+    settings) into the conf and failed; it builds from the run's saved config, or, for a metrics.json
+    without one, from the conf and the plain settings recorded."""
+    import dataclasses
+
+    from evalkit import metrics as metrics_record
+    from evalkit.report.budget import ring_of
+    from evalkit.report.runs import Run
+    from tests.conftest import fresh_run, the_run
+
+    run = ["model=tiny_llama", "model.max_new_tokens=4", "task.load.n=1", "task.load.lengths=[1024]"]
+    ring = ["method=expected_attention_ring", "method.budget=64", "method.recent=40"]
+    fresh_run(*run, *ring, results=tmp_path)
+    folder = the_run(tmp_path, "expected_attention_ring", "64-recent40")
+    m = metrics_record.load(folder / "metrics.json", strict=False)
+    assert ring_of(Run(folder, "r", m)) == 40
+    older = dataclasses.replace(m, provenance={k: v for k, v in m.provenance.items() if k != "config"})
+    assert ring_of(Run(folder, "r", older)) == 40

@@ -225,13 +225,19 @@ def test_kvzip_matches_float64_reference(spy):
 def test_batch_equals_single(method):
     """A left-padded batch of three prompts through the engine (`evalkit.kv.generate`) gives each row the
     tokens that prompt gives alone."""
+    assert_batch_equals_single(method, max_new_tokens=8)
+
+
+def assert_batch_equals_single(method, **generation):
+    """Three prompts (150, 97, 61 tokens) left-padded into one batch: each row's new tokens are those the
+    prompt gives alone (`generation`: generate's settings)."""
     model = tiny_model("llama", seed=5)
     lengths = [150, 97, 61]
     rows = [prompt(seed=10 + i, n=n)[0] for i, n in enumerate(lengths)]
     t = max(lengths)
     ids = torch.stack([torch.cat([torch.zeros(t - len(r), dtype=torch.long), r]) for r in rows])
     mask = (torch.arange(t)[None, :] >= (t - torch.tensor(lengths))[:, None]).long()
-    kw = dict(max_new_tokens=8, do_sample=False, tokenizer=StubTokenizer())
+    kw = dict(do_sample=False, tokenizer=StubTokenizer(), **generation)
     batch, _ = generate(model, ids, method, attention_mask=mask, **kw)
     for r, row in enumerate(rows):
         alone, _ = generate(model, row[None], method, **kw)

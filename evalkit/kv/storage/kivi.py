@@ -160,8 +160,15 @@ class IntStorage(KVStorage):
         top-K, written once at prefill); an append row all but KIVI's residual."""
         if ring:
             return slots - ring, slots - ring
+        keys, values = self.split(slots)
+        return (keys if slots else 0), max(values, 0)
+
+    def split(self, filled):
+        """KIVI's split of an append row's `filled` entries (an int, or a tensor of them: the slot caches' per
+        row): (keys quantized below, values quantized below), unclamped. Keys are quantized in whole blocks of
+        `residual` once the next token arrives, the oldest value once `residual + 1` are held."""
         r = self.residual
-        return (r * ((slots - 1) // r) if slots else 0), max(slots - r - 1, 0)
+        return r * ((filled - 1) // r), filled - r - 1
 
     def layer_bytes(self, slots, ring, heads, key_width, value_width, model_bits) -> int:
         """The slot caches' layout (what a run holds, `kivi_slots`): every slot's codes and parameters (a key

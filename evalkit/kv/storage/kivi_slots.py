@@ -165,18 +165,19 @@ def load(s, layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tens
     r, n = s.residual, keys.shape[2]
     j = torch.arange(n, device=keys.device)[None]  # (1, V)
     ring, start, filled = state.ring[:, None], meta[:, :1], state.next_slot[:, None]  # (B, 1) each
+    coded_keys, coded_values = s.split(filled)  # (B, 1) each: below them, an append row's slots are coded
     k = _overlay(
         keys_of(s, keys, dtype, kwin.shape[-1]),
         kwin,
         torch.where(ring, j - start, j % r),
-        torch.where(ring, start, r * ((filled - 1) // r)),
+        torch.where(ring, start, coded_keys),
         torch.where(ring, start + meta[:, 1:2], filled),
     )
     v = _overlay(
         values_of(s, values, dtype, vwin.shape[-1]),
         vwin,
         torch.where(ring, j - start, j % (r + 1)),
-        torch.where(ring, start, filled - r - 1),
+        torch.where(ring, start, coded_values),
         torch.where(ring, start + meta[:, 2:3], filled),
     )
     return k, v
