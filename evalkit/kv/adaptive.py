@@ -19,8 +19,8 @@ The cache is fixed-shape: every row gets the slots its largest head and layer ma
 unused slots hold position -1 and are masked for that head alone at decode (`layout.OwnSlots`). The stats
 record both the bytes the buffers hold (`bytes`) and those a ragged layout would (`ragged_bytes`). Decode
 appends, as `snapkv`. Refused: a ring or decode-time inner method (its decode would have to move a head's
-entries across slots), and tensor parallelism (each rank holds only its own KV heads: a cross-head top-k
-there is not the one-process one).
+entries across slots). Under tensor parallelism a rank holds its share of the KV heads: AdaKV's top-k reads
+every rank's scores (`select.Own.all_heads`, gathered at prefill) and keeps its own heads' counts.
 """
 
 from __future__ import annotations
@@ -77,15 +77,13 @@ class Adaptive(KVMethod):
     def score(self, view):
         return self.inner.score(view)
 
+    def score_key(self) -> str:
+        return self.inner.score_key()
+
     def prefill(self, forward, cache, tokenizer, kwargs: dict):
         return self.inner.prefill(forward, cache, tokenizer, kwargs)
 
     def refusal(self, facts) -> str | None:
-        if facts.tp > 1:
-            return (
-                f"{self.describe()['name']}: tensor parallelism is not supported (each rank holds only its "
-                "own KV heads, so its per-head budgets would not be the one-process ones); run it with tp=1"
-            )
         return self.inner.refusal(facts)
 
     def describe(self) -> dict:
@@ -99,14 +97,16 @@ class Adaptive(KVMethod):
         return sink + tail + self.top_slots(shape)
 
     def counts(self, scores: torch.Tensor, per_head: torch.Tensor, layer: int, shape: Shape, rows):
-        """(B, H) top-K entries each head keeps; per_head (B,) the uniform budget's top-K per head."""
+        """(B, H) top-K entries each of the layer's H KV heads keeps, scores (B, H, T) theirs; per_head (B,)
+        the uniform budget's top-K per head."""
         raise NotImplementedError
 
     def place(self, pos, scores, rows, layer: int, shape: Shape, agree: select.Agree) -> None:
         sink, tail, k = self.blocks()
         per_head = rows.candidates.sum(1).clamp(max=k)  # (B,) the uniform budget's top-K per head
-        counts = self.counts(scores, per_head, layer, shape, rows)
-        select.place_counts(pos, scores, rows, sink + tail, counts)
+        # a TP rank holds its share of the heads: the layer's counts from every rank's scores, then its own
+        counts = agree.my_heads(self.counts(agree.all_heads(scores), per_head, layer, shape, rows))
+        select.place_counts(pos, scores, rows, sink + tail, counts, agree)
 
 
 @dataclass

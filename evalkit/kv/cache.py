@@ -116,10 +116,11 @@ class KVLayer(CacheLayerMixin):
                 self.layer_idx,
                 self.cache.rope,
                 hint,
+                self.cache.agree,
             )
             raw = method.score(view)  # (B, H_attn, T)
             if records:  # replayed as the hint
-                record.hints[self.layer_idx] = raw
+                record.keep_scores(method, {self.layer_idx: raw})
             scores = group_mean(raw, h)
         if self.cache.has_topk:
             ranked = scores.masked_fill(~rows.candidates[:, None], float("-inf"))  # an evictor keeps from all
@@ -242,7 +243,7 @@ class KVCache(Cache):
         """Plan the layout once, at the first layer's prefill (KV heads `heads`); every later layer shares
         it."""
         if self.rows is None:
-            self.shape = Shape(heads, len(self.layers))
+            self.shape = Shape(self.agree.heads(heads), len(self.layers))  # the layer's, every TP rank's
             rows = plan_rows(self.method, valid_columns(attention_mask, b, t, device), self.shape)
             extra = self._decode_room(rows.n, t)
             if extra:  # the slots an append method writes during decode (see `_decode_room`)

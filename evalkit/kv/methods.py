@@ -27,6 +27,7 @@ construction, naming the setting and the rule.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -110,6 +111,12 @@ class KVMethod:
 
     def describe(self) -> dict:
         return {"name": self.name, **asdict(self)}
+
+    def score_key(self) -> str:
+        """What this method's prompt scores depend on (a shared prefill replays recorded scores only to a
+        method of the same key, `PrefillRecord.hints_for`): by default every setting but the budget."""
+        settings = {k: v for k, v in self.describe().items() if k != "budget"}
+        return json.dumps(settings, sort_keys=True, default=str)
 
 
 @dataclass
@@ -279,6 +286,9 @@ class H2O(KVMethod):
 
     def blocks(self) -> tuple[int, int, int]:
         return 0, self.recent, self.budget - self.recent
+
+    def score_key(self) -> str:
+        return self.name  # attention sums: no setting of its own (`recent` follows the budget)
 
     def score(self, view):
         """Attention each prompt position receives, summed over every prompt query (not restricted to

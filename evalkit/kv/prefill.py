@@ -36,6 +36,17 @@ class PrefillRecord:
     # idx -> (B, H, T) budget-free scores per prompt entry: a pass before compression computed them (KVzip's
     # reconstruction), or the recording prefill's own (h2o's attention sums, `KVMethod.records_score`)
     hints: dict[int, torch.Tensor] = field(default_factory=dict)
+    hinted_by: str | None = None  # `KVMethod.score_key` of the method whose scores `hints` are
+
+    def keep_scores(self, method, hints: dict[int, torch.Tensor]) -> None:
+        """Keep `method`'s budget-free scores per layer, for the methods that score alike to replay."""
+        self.hints.update(hints)
+        self.hinted_by = method.score_key()
+
+    def hints_for(self, method) -> dict[int, torch.Tensor]:
+        """The recorded scores `method` may replay: only those of a method that scores as it does (another
+        method's, e.g. KVzip's reconstruction scores replayed by expected_attention, would be its choice)."""
+        return self.hints if self.hinted_by == method.score_key() else {}
 
     def nbytes(self) -> int:
         """Bytes the record holds (K/V, kept queries, hints, logits): what a budget list keeps per prompt."""
@@ -62,16 +73,17 @@ def populate(cache, record: PrefillRecord) -> None:
             f"this prefill record holds {record.window}: record with PrefillRecord(window=...) at least the "
             "largest window of the methods that replay it"
         )
+    hints = record.hints_for(cache.method)
     for idx, layer in enumerate(cache.layers):
         keys, values, queries, scaling = record.layers[idx]
-        if cache.method.records_score and idx not in record.hints and queries.shape[2] < keys.shape[2]:
+        if cache.method.records_score and idx not in hints and queries.shape[2] < keys.shape[2]:
             raise ValueError(
                 f"{cache.method.name} scores the prompt with every query: replay a record of its own prefill "
                 "(which keeps that score) or one that kept every query"
             )
         layer.lazy_initialization(keys, values)
         layer.pending = (keys, values)
-        layer.compress(queries, keys, record.mask, scaling, hint=record.hints.get(idx))
+        layer.compress(queries, keys, record.mask, scaling, hint=hints.get(idx))
 
 
 @contextmanager

@@ -51,6 +51,9 @@ class Scored(KVMethod):
     def scorer(self):
         raise NotImplementedError
 
+    def score_key(self) -> str:
+        return repr(self.scorer())  # the scorer's settings (a frozen dataclass)
+
     def __post_init__(self):
         _check_budget(self.name, self.budget)
         if self.sinks < 0:
@@ -174,6 +177,9 @@ class Ringed(KVMethod):
     @property
     def records_score(self) -> bool:  # a shared prefill keeps the scorer's score, not the queries
         return self.scorer.records_score
+
+    def score_key(self) -> str:
+        return repr(self.scorer)  # `recent` follows the budget; the scores are the scorer's
 
     def blocks(self) -> tuple[int, int, int]:
         return self.sink, self.recent, self.budget - self.sink - self.recent

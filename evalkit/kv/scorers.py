@@ -47,6 +47,7 @@ class PrefillView:
     # positions (B, n) -> (cos, sin) (B, n, D): the model's rotary embedding (None: the model has none here)
     rope: Callable | None = None
     hint: torch.Tensor | None = None  # (B, H_cache, T) scores a pass before this prefill computed (KVzip)
+    agree: select.Agree = select.own  # this process's heads -> the layer's (a TP rank holds its share)
 
     def real(self) -> torch.Tensor:
         """(B, T) bool: the columns that hold prompt tokens (not left pads)."""
@@ -150,21 +151,15 @@ class LastQueryScore(Scorer):
     name: ClassVar[str] = "tova"
     queries: ClassVar[int] = 1
 
-    def refusal(self, facts, method: str) -> str | None:
-        if facts.tp > 1:  # each rank holds its share of the heads: its mean would be its own (measured)
-            return (
-                f"method {method} averages the last query's attention over all of a layer's heads, which "
-                "tensor parallelism splits across processes: run one process, or data parallel replicas"
-            )
-        return None
-
     def __call__(self, view: PrefillView) -> torch.Tensor:
         k = view.keys.float()  # (B, H_attn, T, D)
         b, h_attn = k.shape[:2]
         q = view.query[:, :, -1].float().view(b, h_attn, -1, k.shape[-1])  # (B, H_attn, g, D) the last query
         logits = torch.matmul(q, k.transpose(-1, -2)) * view.scaling  # (B, H_attn, g, T), keys never repeated
         probs = torch.softmax(logits.masked_fill(~view.real()[:, None, None, :], float("-inf")), dim=-1)
-        return _masked(probs.mean(dim=(1, 2))[:, None].expand(-1, h_attn, -1), view)
+        # every KV head's query-head mean, then the layer's: under TP a rank holds its share of the heads
+        mean = view.agree.all_heads(probs.mean(dim=2)).mean(dim=1)  # (B, T)
+        return _masked(mean[:, None].expand(-1, h_attn, -1), view)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,6 @@ and left-pad columns masked so a padded batch row ranks exactly as that prompt a
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
@@ -88,12 +86,32 @@ def group_mean(scores: torch.Tensor, num_cache_heads: int) -> torch.Tensor:
     return scores.view(b, num_cache_heads, h_attn // num_cache_heads, t).mean(dim=2)
 
 
-def own(indices: torch.Tensor) -> torch.Tensor:
-    """The default `agree`: this process's choice as it is (one process, or per-rank KV heads under TP)."""
-    return indices
+class Own:
+    """The default `agree`: this process's choice as it is, over every KV head of a layer (one process).
+
+    A cache's kept sets relate to the other TP ranks' through it (`evalkit.team.Team.cache_agree` makes the
+    others): called on kept indices it returns the ones every rank keeps; `all_heads` / `my_heads` / `heads`
+    turn this process's KV heads into the layer's and back, for a choice that compares or averages across
+    heads (AdaKV's one top-k per layer, TOVA's mean over heads)."""
+
+    def __call__(self, indices: torch.Tensor) -> torch.Tensor:
+        return indices
+
+    def all_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H_here, ...) -> (B, H, ...): every KV head of the layer, in the one-process order."""
+        return x
+
+    def my_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, ...) -> (B, H_here, ...): this process's share of a layer-wide tensor."""
+        return x
+
+    def heads(self, here: int) -> int:
+        """The layer's KV heads when this process holds `here` of them."""
+        return here
 
 
-Agree = Callable[[torch.Tensor], torch.Tensor]  # kept indices -> the indices every TP rank keeps
+own = Own()  # stateless: one instance serves every one-process cache
+Agree = Own  # kept indices -> the indices every TP rank keeps; this process's heads -> the layer's
 
 
 def place_topk(
@@ -150,11 +168,13 @@ def accumulated_attention(query, keys, pad: torch.Tensor, scaling: float) -> tor
     return out.mean(dim=2)
 
 
-def place_counts(pos: torch.Tensor, scores: torch.Tensor, rows, start: int, counts: torch.Tensor) -> None:
+def place_counts(
+    pos: torch.Tensor, scores: torch.Tensor, rows, start: int, counts: torch.Tensor, agree: Agree = own
+) -> None:
     """Each KV head's top-`counts` prompt positions, in order, into pos[:, :, start:] (B, H, n), in place;
     the slots past a head's count stay -1 (empty, masked for that head). scores (B, H, T) per KV head, -inf
     outside a row's candidates; counts (B, H) at most the block's width and each row's candidates (the
-    adaptive budgets' `place_topk`)."""
+    adaptive budgets' `place_topk`), agreed (`agree`) like `place_topk`."""
     b, h, t = scores.shape
     width = pos.shape[-1] - start
     best = scores.topk(min(width, t), dim=-1)  # (B, H, w) best first
@@ -162,7 +182,7 @@ def place_counts(pos: torch.Tensor, scores: torch.Tensor, rows, start: int, coun
     take = (rank < counts[..., None]) & (best.values > float("-inf"))
     picked = torch.full((b, h, width), t, dtype=best.indices.dtype, device=pos.device)
     picked[..., : rank.shape[0]] = torch.where(take, best.indices - rows.pad[:, None, None], t)
-    picked = picked.sort(dim=-1).values  # kept positions in order, then the empty slots (t)
+    picked = agree(picked.sort(dim=-1).values)  # kept positions in order, then the empty slots (t)
     picked = torch.where(picked < t, picked, -1)
     selecting = (rows.topk > 0)[:, None, None]  # rows kept whole use these slots for their tail
     pos[:, :, start:] = torch.where(selecting, picked, pos[:, :, start:])

@@ -8,6 +8,8 @@ Upstream, quoted where followed (NVIDIA/kvpress 0.5.5, `kvpress/presses/`): `ada
 `pyramidkv_press.py`, `snapkv_press.py`, `knorm_press.py`.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -349,14 +351,20 @@ def test_invalid_settings_fail_at_construction(settings, message):
 
 
 @pytest.mark.parametrize("name", ["adakv_snapkv", "adakv_expected_attention", "pyramidkv_snapkv"])
-def test_confs_make_the_methods_and_refuse_tensor_parallelism(name):
+def test_confs_make_the_methods_and_refuse_what_their_inner_method_refuses(name):
+    """Tensor parallelism runs them (each rank reads every rank's scores: tests/parallel/test_tp.py); an
+    inner method's own refusal (kvzip's reconstruction pass under TP) is theirs."""
     from evalkit.kv.config import make_method
 
     method = make_method(name, budget=128)
     assert method.describe()["name"] == name and method.inner.budget == 128
     facts = RunFacts(model_name="m", mla=False, followup=False, compile=False, tp=2)
-    assert "tensor parallelism is not supported" in method.refusal(facts)
+    assert method.refusal(facts) is None
     assert method.refusal(RunFacts(model_name="m", mla=False, followup=False, compile=False, tp=1)) is None
+    from evalkit.kv import KVzip
+
+    over_kvzip = replace(method, inner=KVzip(budget=128))
+    assert "tensor parallelism" in over_kvzip.refusal(facts)
 
 
 def test_a_run_records_both_byte_figures_and_the_memory_report_models_the_buffers(tmp_path):

@@ -185,3 +185,41 @@ def test_an_expected_attention_record_is_scored_when_its_first_budget_keeps_the_
     assert torch.equal(alone.sequences, replayed.sequences)
     for layer in range(model.config.num_hidden_layers):
         assert torch.equal(alone_cache.positions(layer), replay_cache.positions(layer)), layer
+
+
+def test_a_record_replays_its_scores_only_to_a_method_that_scores_alike():
+    """A record holding h2o's attention sums and every query, replayed by expected_attention and by AdaKV
+    over it: each keeps what its own prefill keeps (it read h2o's sums as its own score before: the record
+    now says whose scores it holds, `PrefillRecord.hints_for`); a record of too few queries and another's
+    scores is refused."""
+    from evalkit.kv import H2O, AdaKV, ExpectedAttention
+
+    model = tiny_model("llama", seed=8)
+    ids = torch.randint(0, 256, (1, 120), generator=torch.Generator().manual_seed(9))
+
+    def prefill(record):  # h2o decodes only in the engine: its prefill alone records
+        with torch.no_grad(), shared_prefill(model):
+            model(
+                input_ids=ids, cache=KVCache.for_model(H2O(budget=48), model, record=record), use_cache=True
+            )
+
+    record = PrefillRecord(window=1 << 30)  # every query: the scorers below can score from it
+    prefill(record)
+    assert len(record.hints) == model.config.num_hidden_layers  # h2o's sums
+    ea = ExpectedAttention(budget=40, future=64)
+    for method in (ea, AdaKV(budget=40, inner=ea)):
+        alone_cache, replay_cache = (
+            KVCache.for_model(method, model),
+            KVCache.for_model(method, model, replay=record),
+        )
+        alone, replayed = gen(model, ids, alone_cache, False), gen(model, ids, replay_cache, False)
+        assert torch.equal(alone.sequences, replayed.sequences), method.name
+        for layer in range(model.config.num_hidden_layers):
+            assert torch.equal(alone_cache.positions(layer), replay_cache.positions(layer)), (
+                method.name,
+                layer,
+            )
+    few = PrefillRecord(window=32)
+    prefill(few)
+    with pytest.raises(ValueError, match="scores the prompt with every query"):
+        gen(model, ids, KVCache.for_model(ea, model, replay=few), False)

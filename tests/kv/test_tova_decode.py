@@ -111,14 +111,15 @@ def test_tova_decode_refuses_tensor_parallelism_and_budget_one():
         TOVADecode(budget=1)
 
 
-def test_prefill_tova_and_its_ring_refuse_tensor_parallelism():
-    """The prefill scorer's mean over all heads is split by TP (a TP=2 run kept other sets than one process
-    before this refusal): refused before the model loads, as tova_decode."""
+def test_prefill_tova_and_its_ring_run_under_tensor_parallelism():
+    """The prefill scorer's mean over all heads reads every TP rank's heads (gathered at prefill: kept sets
+    and tokens equal one process's, tests/parallel/test_tp.py); tova_decode's per-step mean is refused."""
     from evalkit.kv import TOVA, Ringed
     from evalkit.kv.methods import RunFacts
     from evalkit.kv.scorers import LastQueryScore
 
     tp2 = RunFacts("m", mla=False, followup=False, compile=False, tp=2)
     for method in (TOVA(budget=8), Ringed(budget=64, scorer=LastQueryScore())):
-        assert "tensor parallelism" in method.refusal(tp2)
+        assert method.refusal(tp2) is None
         assert method.refusal(RunFacts("m", False, False, False, 1)) is None
+    assert "tensor parallelism" in TOVADecode(budget=8).refusal(tp2)

@@ -23,6 +23,10 @@ METHODS = {
         "recent": 8,
         "scorer": {"future": 64},
     },  # per KV head: TP splits
+    # a choice across a layer's KV heads: each TP rank reads every rank's (gathered) and keeps its own share
+    "tova": {"budget": 24},  # the last query's attention averaged over every head
+    "adakv_snapkv": {"budget": 24, "alpha": 0.2, "inner": {"window": 8}},  # one top-k over every head
+    "pyramidkv_snapkv": {"budget": 24, "beta": 2, "inner": {"window": 8}},  # per-layer budgets
 }
 # snapkv_decode re-scores cached keys, expected attention undoes RoPE per head: both refused on an MLA latent
 NOT_ON = {"deepseek_v3": {"snapkv_decode", "expected_attention_ring"}}
