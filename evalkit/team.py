@@ -340,13 +340,7 @@ class Team:
         slots, which for full and snapkv hold prompt + max_new_tokens. Not the memory report's per-GPU KV,
         which is one request's kept entries at the budget (docs/parallel.md)."""
         if pool is not None:
-            held = sum(
-                x.numel() * x.element_size()
-                for lay in pool.layers
-                for x in (lay.keys, lay.values, *lay.scales)
-                if x is not None
-            )
-            self._kv_peak = max(self._kv_peak, held)
+            self._kv_peak = max(self._kv_peak, pool.allocated_bytes())
 
     def gather_kv(self) -> list[int]:
         """Every rank's KV peak (a collective: every rank calls it once generation is over), kept for

@@ -118,6 +118,12 @@ class SlotPool(StaticKVCache):
     def capacity(self) -> int:
         return self.rows.valid.shape[1]
 
+    def allocated_bytes(self) -> int:
+        """Bytes every layer's buffers hold, all rows: the K/V slots and the storage's tensors beside them
+        (fp8's scales, int's raw windows and group parameters)."""
+        held = (x for lay in self.layers for x in (lay.keys, lay.values, *lay.scales) if x is not None)
+        return sum(x.numel() * x.element_size() for x in held)
+
     def load_row(self, r: int, src: KVCache) -> None:
         """Row r becomes a copy of the one-row prefilled cache `src` (any method and budget that fits), in
         place: buffer addresses never change (unless an int storage's windows must grow for its ring), so a

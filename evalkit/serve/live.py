@@ -113,7 +113,7 @@ class EngineBackend(EngineLoop):
             "kv_held_bytes": sum(rows[r]["bytes"] for r in held),
             "kv_held_seen": sum(rows[r]["seen"] for r in held),
             "kv_held_kept": sum(rows[r]["kept"] for r in held),
-            "kv_pool_bytes": sum(layer.entry_bytes() for layer in pool.layers) * pool.capacity,
+            "kv_pool_bytes": pool.allocated_bytes(),  # the storage's per-row tensors counted
             "kv_pool_slots": pool.capacity,
         }
         self._read_at = time.perf_counter()

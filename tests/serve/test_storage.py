@@ -40,8 +40,14 @@ def test_the_card_reports_the_storage_and_the_pool_holds_it(serve, tiny_llama, o
     body = {"model": "tiny", "prompt": "The lamp by the window", "temperature": 0, "max_tokens": 6}
     answer = post(url, "/v1/completions", body).json()
     assert answer["usage"]["kv"]["storage"]["name"] == "int4"
-    layer = svc.backend.engine.pool.layers[0]
+    pool = svc.backend.engine.pool
+    layer = pool.layers[0]
     assert str(layer.keys.dtype) == "torch.uint8" and len(layer.scales) == 3  # codes + raw windows
+    text = requests.get(url + "/metrics", timeout=30).text
+    gauge = next(line for line in text.splitlines() if line.startswith("evalkit_kv_pool_bytes "))
+    codes = sum(x.numel() for lay in pool.layers for x in (lay.keys, lay.values))  # uint8: a byte each
+    windows = sum(x.numel() * x.element_size() for lay in pool.layers for x in lay.scales)
+    assert windows > 0 and int(float(gauge.split()[1])) == codes + windows  # it counted the codes alone
 
 
 def test_a_request_budget_the_storage_refuses_is_a_400(serve, tokenizer):
