@@ -13,7 +13,8 @@ is then populated from the record as a replayed budget is (`prefill.populate`): 
 share the prompt's prefill and its reconstruction pass, since the scores do not depend on the budget.
 
 Where it cannot run (refused before the model loads, `KVzip.refusal`): MLA models (attention rebuilds the
-keys from a latent, so there are no per-head keys to record) and tensor parallelism (not yet). It needs the
+keys from a latent, so there are no per-head keys to record). Under tensor parallelism every rank runs the
+pass's forwards in step (the same prompt and repeat inputs) and scores the KV heads it holds. It needs the
 tokenizer (the repeat prompt is text) and prefills one prompt at a time, as the engine does.
 """
 

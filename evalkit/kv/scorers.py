@@ -258,12 +258,7 @@ class ReconstructionScore(Scorer):
                 f"method {method} scores the prompt's keys in a second pass, but {facts.model_name} "
                 "caches MLA's latent (keys are rebuilt inside attention): use snapkv, snapstream or h2o"
             )
-        if facts.tp > 1:
-            return (
-                f"method {method}'s reconstruction pass is not yet run under tensor parallelism: run one "
-                "process, or data parallel replicas"
-            )
-        return None
+        return None  # under TP every rank runs the pass's forwards in step and scores its own heads
 
     def __call__(self, view: PrefillView) -> torch.Tensor:
         if view.hint is None:

@@ -31,10 +31,11 @@ class TOVAEvictor(SlotEvictor):
 
     @classmethod
     def refusal(cls, method, facts) -> str | None:
-        if facts.tp > 1:
+        if facts.tp > 1 and facts.compile:
             return (
                 f"method {method.name} averages each step's attention over all of a layer's heads, which "
-                "tensor parallelism splits across processes: run one process, or data parallel replicas"
+                "tensor parallelism splits across processes: each step gathers them, which the compiled "
+                "step cannot hold. Set compile=false, or run one process"
             )
         return super().refusal(method, facts)
 
@@ -60,7 +61,9 @@ class TOVAEvictor(SlotEvictor):
         q = query.float().reshape(b, h, h_q // h, d)  # (B, H, g, D)
         logits = torch.matmul(q, key.float().transpose(-1, -2)) * scaling  # (B, H, g, S)
         probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
-        score = probs.mean(dim=(1, 2)).masked_fill(~mask[:, 0, 0], float("inf"))  # (B, S)
+        # every KV head's query-head mean, then the layer's: under TP a rank gathers the others' heads
+        score = pool.agree.all_heads(probs.mean(dim=2)).mean(dim=1)  # (B, S)
+        score = score.masked_fill(~mask[:, 0, 0], float("inf"))
         self.victim[layer.layer_idx].copy_(kept(pool, -score, 1)[:, 0])
 
 

@@ -353,7 +353,7 @@ def test_invalid_settings_fail_at_construction(settings, message):
 @pytest.mark.parametrize("name", ["adakv_snapkv", "adakv_expected_attention", "pyramidkv_snapkv"])
 def test_confs_make_the_methods_and_refuse_what_their_inner_method_refuses(name):
     """Tensor parallelism runs them (each rank reads every rank's scores: tests/parallel/test_tp.py); an
-    inner method's own refusal (kvzip's reconstruction pass under TP) is theirs."""
+    inner method's own refusal (kvzip's second pass over an MLA latent) is theirs."""
     from evalkit.kv.config import make_method
 
     method = make_method(name, budget=128)
@@ -364,7 +364,9 @@ def test_confs_make_the_methods_and_refuse_what_their_inner_method_refuses(name)
     from evalkit.kv import KVzip
 
     over_kvzip = replace(method, inner=KVzip(budget=128))
-    assert "tensor parallelism" in over_kvzip.refusal(facts)
+    assert over_kvzip.refusal(facts) is None
+    mla = RunFacts(model_name="m", mla=True, followup=False, compile=False, tp=1)
+    assert "caches MLA's latent" in over_kvzip.refusal(mla)
 
 
 def test_a_run_records_both_byte_figures_and_the_memory_report_models_the_buffers(tmp_path):

@@ -10,6 +10,7 @@ import sys
 import torch
 
 from tests.conftest import TINY
+from tests.kv.test_rivals import StubTokenizer
 
 METHODS = {
     "full": {},
@@ -27,9 +28,12 @@ METHODS = {
     "tova": {"budget": 24},  # the last query's attention averaged over every head
     "adakv_snapkv": {"budget": 24, "alpha": 0.2, "inner": {"window": 8}},  # one top-k over every head
     "pyramidkv_snapkv": {"budget": 24, "beta": 2, "inner": {"window": 8}},  # per-layer budgets
+    "tova_decode": {"budget": 24},  # evicts every step by the step's attention averaged over every head
+    "kvzip": {"budget": 24, "chunk": 32},  # a reconstruction pass (every rank's forward) before the prefill
 }
-# snapkv_decode re-scores cached keys, expected attention undoes RoPE per head: both refused on an MLA latent
-NOT_ON = {"deepseek_v3": {"snapkv_decode", "expected_attention_ring"}}
+# snapkv_decode re-scores cached keys, expected attention undoes RoPE per head, kvzip rescores the keys in a
+# second pass: refused on an MLA latent
+NOT_ON = {"deepseek_v3": {"snapkv_decode", "expected_attention_ring", "kvzip"}}
 
 
 def methods_for(arch: str, methods: dict = METHODS) -> dict:
@@ -62,6 +66,7 @@ def observe(arch: str, methods: dict = METHODS, team=None, kv: str = "none", kv_
     from evalkit.kv import KVCache
     from evalkit.kv.config import make_method
     from evalkit.kv.pool import Buckets
+    from evalkit.kv.prefill import shared_prefill
     from evalkit.kv.storage import make_storage
     from evalkit.loading import load_model
     from evalkit.models import ModelSpec
@@ -70,7 +75,8 @@ def observe(arch: str, methods: dict = METHODS, team=None, kv: str = "none", kv_
 
     team = team or Team.single()
     spec = ModelSpec(name=f"tiny_{arch}", random=TINY[arch], tokenizer="smollm2_135m", dtype=DTYPE[arch])
-    model, tokenizer = load_model(spec, team)
+    model, _ = load_model(spec, team)
+    tokenizer = StubTokenizer()  # kvzip's repeat prompt in the tiny models' 256 ids
     agree = team.cache_agree(model)
     storage = make_storage(kv, **(kv_settings or {}))
     out = {}
@@ -79,7 +85,7 @@ def observe(arch: str, methods: dict = METHODS, team=None, kv: str = "none", kv_
         kept = []
         for ids in prompts():
             cache = KVCache.for_model(method, model, agree=agree, storage=storage)
-            with torch.inference_mode():
+            with torch.inference_mode(), shared_prefill(model, tokenizer):  # kvzip's pass needs the tokenizer
                 model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
             kept.append([cache.positions(i)[0].tolist() for i in range(len(cache.layers))])
         tokens, margin = {}, float("inf")

@@ -72,6 +72,10 @@ def test_rivals_that_need_per_head_keys_are_refused_on_mla(tmp_path, method, why
         checked(tmp_path, f"model={arch}", "method=knorm")
 
 
-def test_kvzip_under_tp_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="reconstruction pass is not yet run under tensor parallelism"):
-        checked(tmp_path, "model=tiny_llama", "method=kvzip", tp=2)
+def test_kvzip_adakv_and_tova_run_under_tp_and_compiled_tova_decode_is_refused(tmp_path):
+    """Each rank scores its own KV heads (kvzip's pass runs on every rank in step; AdaKV and TOVA gather the
+    layer's heads: tests/parallel/test_tp.py); tova_decode's per-step gather is refused in a compiled step."""
+    for method in ("kvzip", "adakv_snapkv", "tova", "tova_decode"):
+        checked(tmp_path, "model=tiny_llama", f"method={method}", tp=2)
+    with pytest.raises(ConfigError, match="each step gathers them, which the compiled step cannot hold"):
+        checked(tmp_path, "model=tiny_llama", "method=tova_decode", "compile=true", tp=2)
