@@ -85,6 +85,7 @@ class StaticKVCache(KVCache):
         self.evictor.check_cache(self)
         self.observing = self.evictor.observes  # an attribute: attention reads it per layer and step
         b, dev = rows.valid.shape[0], rows.valid.device
+        self.visible = rows.valid.shape[1]  # attention reads every slot (a pool narrows it: `SlotPool._plan`)
         sink = min(self.method.blocks()[0], rows.n)
         self.state = StepState(
             sink=torch.full((b,), sink, dtype=torch.long, device=dev),

@@ -4,6 +4,7 @@ versus measured KV bytes for the runs evalkit executed (`<results_dir>/runs/**/m
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from evalkit.memory.sim import (
     canonical_method,
     kv_entries,
     method_of,
+    ring_entries,
 )
 from evalkit.memory.validate import validate
 
@@ -58,6 +60,13 @@ def kv_storage(name_or_cfg):
     except ConfigError as e:
         raise MemoryReportError(f"model.kv: {e}") from None
     return None if storage.name == "none" else storage
+
+
+def record_storage(m):
+    """A run's KV storage from its metrics.json record `m`: its saved config's `kv` node (every setting it
+    ran with), else the storage name it recorded; None for `none`."""
+    node = (m.config or {}).get("kv")
+    return kv_storage(node if isinstance(node, dict) and node.get("_target_") else m.storage.get("name"))
 
 
 def deployment(cfg: dict) -> Deployment:
@@ -137,6 +146,8 @@ def row(dep: Deployment, cfg: dict, context: int, method: str, budget: int | Non
     throughput at the configured batch ("max" = the capacity-limited max batch), SRAM tile."""
     decode, method = cfg["decode_len"], canonical_method(method)
     entries = kv_entries(method, budget, context, decode, dep.model.kv.shape)
+    made = method_of(method, budget)
+    dep = replace(dep, ring=min(ring_entries(made), entries))  # a quantized storage keeps a ring raw
     max_batch = dep.max_batch(entries)
     max_batch_cal = dep.max_batch(entries, kv_reserve_bytes(cfg))
     batch = max_batch if cfg["batch"] == "max" else _batch(cfg["batch"])
@@ -148,11 +159,11 @@ def row(dep: Deployment, cfg: dict, context: int, method: str, budget: int | Non
         "context": context,
         "decode": decode,
         "method": method,
-        "budget": budget if method_of(method).budget_applies else None,
+        "budget": budget if made.budget_applies else None,
         "kv_entries": entries,
         "kept_fraction": entries / (context + decode),  # kept / seen
         "kv_bytes_per_token": dep.model.kv.bytes_per_entry,
-        "kv_bytes_per_seq": dep.model.kv.sequence_bytes(entries),  # in its storage: codes + scales
+        "kv_bytes_per_seq": dep.model.kv.sequence_bytes(entries, dep.ring),  # in its storage: codes + scales
         "kv_bytes_per_seq_socket": dep.kv_bytes_socket(entries),
         "weight_bytes_socket": dep.weight_bytes_socket,
         "max_batch": max_batch,
@@ -244,20 +255,21 @@ def measured_rows(results_dir: str | Path) -> tuple[list[dict], list[str]]:
             method, budget = METHOD_ALIASES.get(m.method["name"], m.method["name"]), m.method.get("budget")
             conf = (m.config or {}).get("method")  # the settings it ran with (None in an older metrics.json)
             peak_bytes, peak_entries = int(kv["peak_bytes"]), int(kv["peak_entries"])
-            geo = kv_geometry(hf_config, dtype, kv["cache_layout"])
+            geo = kv_geometry(hf_config, dtype, kv["cache_layout"], record_storage(m))  # codes + scales
+            made = method_of(method, budget, conf)
             if kv.get("peak_seen_tokens") is not None:
                 # a metrics.json from before `peak_prefill_tokens`: the prompt was the prefill (query-aware)
                 source, prefill = "lengths", kv.get("peak_prefill_tokens") or kv["peak_prompt_tokens"]
                 seen = int(kv["peak_seen_tokens"])
                 entries = run_entries(method, budget, int(prefill), seen, geo.shape, conf)
-            elif method_of(method, budget, conf).ring:  # a fixed-size cache: its budget
+            elif made.ring:  # a fixed-size cache: its budget
                 source, entries = "budget", int(budget)
             else:  # an older metrics.json without lengths: a growing cache cannot be predicted, only echoed
                 source, entries = "measured", peak_entries
         except (KeyError, TypeError, ValueError) as e:  # MemoryReportError is a ValueError
             notes.append(f"{rel}: skipped ({type(e).__name__}: {e})")
             continue
-        predicted = geo.bytes_per_entry * entries
+        predicted = geo.sequence_bytes(entries, min(ring_entries(made), entries))  # in the run's storage
         rows.append(
             {
                 "run": rel,

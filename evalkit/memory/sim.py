@@ -50,6 +50,12 @@ def method_of(name: str, budget: int | None = None, conf=None):
         raise MemoryReportError(str(e)) from None
 
 
+def ring_entries(method) -> int:
+    """Entries of `method`'s cache that decode overwrites in place (a ring method's recent block: a quantized
+    storage keeps it in the model dtype, `KVGeometry.sequence_bytes`); 0 for an appending cache."""
+    return int(method.blocks()[1]) if method.ring else 0
+
+
 def kv_entries(method: str, budget: int | None, context: int, decode: int, shape) -> int:
     """Cache slots per layer and KV head at the end of decoding, as the runner's caches are sized
     (`evalkit.kv.layout.slots_needed`): full: every token; a fixed-size cache (a ring, or a decode-time

@@ -23,8 +23,8 @@ from omegaconf import OmegaConf
 
 from evalkit.config import CONF_DIR, group_config
 from evalkit.memory.model import MemoryReportError, ModelSpec, model_spec
-from evalkit.memory.report import kv_storage, run_entries
-from evalkit.memory.sim import Deployment, Hardware, method_of
+from evalkit.memory.report import record_storage, run_entries
+from evalkit.memory.sim import Deployment, Hardware, method_of, ring_entries
 from evalkit.report.runs import Run
 
 
@@ -52,10 +52,7 @@ def spec_of(run: Run, deploy: dict, storage=None) -> ModelSpec:
 def storage_of(run: Run):
     """The run's KV storage as its saved config made it (`kv`: its settings, group and residual included),
     or by its recorded name; None for `none` (the deployment's kv_dtype)."""
-    if run.in_model_dtype:
-        return None
-    node = run.config.get("kv")
-    return kv_storage(node if isinstance(node, dict) and node.get("_target_") else run.storage)
+    return None if run.in_model_dtype else record_storage(run.metrics)
 
 
 def ring_of(run: Run) -> int:
@@ -63,8 +60,7 @@ def ring_of(run: Run) -> int:
     quantized storage keeps it in the model dtype); 0 for an appending cache."""
     if run.budget is None:
         return 0
-    method = method_of(conf_name(run), run.budget, method_node(run))
-    return int(method.blocks()[1]) if method.ring else 0
+    return ring_entries(method_of(conf_name(run), run.budget, method_node(run)))
 
 
 def conf_name(run: Run) -> str:

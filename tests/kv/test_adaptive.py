@@ -399,3 +399,22 @@ def test_the_memory_report_sizes_a_run_with_its_own_settings(tmp_path):
     fresh_run(*run, "method=adakv_snapkv", "method.budget=128", "method.alpha=0.9", results=tmp_path)
     rows, notes = measured_rows(tmp_path)
     assert not notes and [r["match"] for r in rows] == [True], rows
+
+
+@pytest.mark.parametrize(
+    "method",
+    [AdaKV(budget=64, inner=SnapKV(window=16)), PyramidKV(budget=64, beta=2, inner=SnapKV(window=16))],
+    ids=lambda m: m.name,
+)
+def test_the_static_cache_decodes_what_the_dynamic_one_does(method):
+    """`StaticKVCache` (every slot read under the per-head mask) generates the dynamic cache's greedy tokens:
+    it read a zero-width mask and crashed at the first decode step before (`visible` was never set)."""
+    from evalkit.kv import StaticKVCache
+
+    model = tiny_model("llama", seed=3)
+    ids = torch.randint(3, 256, (1, 90), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for cache in (KVCache.for_model(method, model), StaticKVCache.for_model(method, model, max_new_tokens=8)):
+        with torch.inference_mode():
+            outs.append(model.generate(ids, cache=cache, max_new_tokens=8, min_new_tokens=8, do_sample=False))
+    assert torch.equal(outs[0], outs[1])
