@@ -75,7 +75,9 @@ def exact_bootstrap_ci(d: np.ndarray, confidence: float) -> tuple[float, float] 
     step, k = lat
     base, offsets = int(k.min()), k - k.min()
     pmf = np.zeros(int(offsets.max()) + 1)
-    pmf[offsets] = counts / n  # one problem drawn: its offset on the lattice
+    # one problem drawn: its offset on the lattice; two spellings of one value (0 - 100/3 and 200/3 - 100)
+    # land on one offset, so their counts add (an assignment would keep the last)
+    np.add.at(pmf, offsets, counts / n)
     dist = _convolve_power(pmf, n)  # the sum of n drawn offsets
     alpha = 1 - confidence
     lo, hi = (_quantile_index(dist, q) for q in (alpha / 2, 1 - alpha / 2))

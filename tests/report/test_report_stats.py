@@ -80,6 +80,21 @@ def test_exact_bootstrap_equals_monte_carlo_on_the_same_lattice():
     assert lo == pytest.approx(mlo, abs=0.25) and hi == pytest.approx(mhi, abs=0.25)
 
 
+def test_exact_bootstrap_adds_two_spellings_of_one_value():
+    """k = 3 repeats: 0 - 100/3 and 200/3 - 100 are one difference written as two floats (-33.333...36 and
+    -33.333...3). The exact bootstrap kept only the last one's count: a CI of [-0.83, +6.67] that missed
+    the mean -3.33 and a non-inferior verdict; the Monte Carlo bootstrap's CI and verdict are the truth."""
+    third, two_thirds = 100.0 / 3, 200.0 / 3
+    pairs = [(0.0, third)] * 7 + [(two_thirds, 100.0)] + [(third, 0.0)] * 4 + [(50.0, 50.0)] * 28
+    c, f = np.array(pairs).T
+    assert len(np.unique(c - f)) == 4  # the two spellings
+    got = compare(c, f, False, StatSettings(), rng())
+    means = bootstrap_means(c - f, 400_000, rng())
+    mlo, mhi = np.quantile(means, [0.025, 0.975])
+    assert got["ci_method"] == "bootstrap (exact)" and got["verdict"] == "inconclusive"
+    assert got["ci_low"] == pytest.approx(mlo, abs=0.2) and got["ci_high"] == pytest.approx(mhi, abs=0.2)
+
+
 def test_bootstrap_hand_cases():
     # d = [0, 100]: resampled means 0, 50, 100 with probabilities 1/4, 1/2, 1/4 -> 95% interval [0, 100]
     assert bootstrap_ci(np.array([0.0, 100.0]), 0.95, 20_000, rng())[:2] == (0.0, 100.0)
