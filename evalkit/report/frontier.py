@@ -62,8 +62,9 @@ def gain_check(row) -> tuple[bool | None, str]:
 
 def frontier(head: pd.DataFrame) -> dict[tuple[str, str], pd.DataFrame]:
     """Per (model, task): every configuration's headline row by KV bytes per sequence (fewest first), with
-    `kind`, `label`, `qualifies` (non-inferior and effective gain not at or below 1) and `why` not; the full
-    cache in the model dtype as a last row (`kind` full)."""
+    `kind`, `label`, `qualifies` (non-inferior, fewer bytes than the full cache, and an effective gain not
+    at or below 1: one not computed qualifies with its reason in `why`) and `why` not; the full cache in
+    the model dtype as a last row (`kind` full)."""
     out = {}
     if head.empty or "kv_bytes_seq" not in head:
         return out
@@ -74,12 +75,14 @@ def frontier(head: pd.DataFrame) -> dict[tuple[str, str], pd.DataFrame]:
         checks = [gain_check(r) for _, r in rows.iterrows()]
         rows["kind"] = [kind(m) for m in rows.method]
         rows["label"] = [label(r) for _, r in rows.iterrows()]
+        saves = rows.kv_bytes_seq < rows.kv_bytes_seq_full  # no smaller than the full cache: no saving
+        rows["gain_known"] = [ok is True for ok, _ in checks]
         rows["qualifies"] = [
-            v == "non-inferior" and ok is not False for v, (ok, _) in zip(rows.verdict, checks)
+            v == "non-inferior" and ok is not False and bool(s)
+            for v, (ok, _), s in zip(rows.verdict, checks, saves)
         ]
         rows["why"] = [
-            "" if q else (why if v == "non-inferior" else v)
-            for q, v, (_, why) in zip(rows.qualifies, rows.verdict, checks)
+            _why(q, v, ok, why, s) for q, v, (ok, why), s in zip(rows.qualifies, rows.verdict, checks, saves)
         ]
         rows = rows.sort_values(["kv_bytes_seq", "compressed"], ascending=[True, False])
         first = rows.iloc[0]
@@ -88,6 +91,15 @@ def frontier(head: pd.DataFrame) -> dict[tuple[str, str], pd.DataFrame]:
                 "why": "the reference", "run": first.full_run}  # fmt: skip
         out[(model, task)] = pd.concat([rows, pd.DataFrame([full])], ignore_index=True)
     return out
+
+
+def _why(qualifies: bool, verdict: str, ok: bool | None, why: str, saves: bool) -> str:
+    """Why a configuration does not qualify, or the caveat it qualifies with (its gain not computed)."""
+    if verdict != "non-inferior":
+        return verdict
+    if not saves:
+        return "no smaller than the full cache"
+    return why if not qualifies or ok is None else ""
 
 
 def _pick(rows: pd.DataFrame) -> dict | None:
@@ -105,15 +117,17 @@ def recommend_bytes(fronts: dict[tuple[str, str], pd.DataFrame]) -> list[dict]:
         rec = {"model": model, "task": task, "best": best, "other": None, "configs": len(rows)}
         if best is None:
             non_inf = rows[rows.verdict == "non-inferior"]
+            whys = sorted({"effective gain <= 1" if "gain" in w else w for w in non_inf.why})
             rec["status"] = (
-                "every non-inferior configuration's effective gain is at or below 1"
+                f"no non-inferior configuration qualifies ({'; '.join(whys)})"
                 if len(non_inf)
                 else "no configuration is non-inferior"
             )
         else:
             other = [k for k in KINDS if k != best["kind"]][0]
             rec["other"] = _pick(rows[rows.kind == other])
-            rec["status"] = "non-inferior, effective gain above 1" + (
+            gain = "effective gain above 1" if best["gain_known"] else best["why"]  # not computed: why
+            rec["status"] = f"non-inferior, {gain}" + (
                 "" if rec["other"] else f"; no {other} configuration qualifies"
             )
         out.append(rec)

@@ -73,6 +73,35 @@ def test_no_safe_configuration_says_so(tmp_path):
     assert rec["best"] is None and rec["status"] == "no configuration is non-inferior"
 
 
+def test_a_cache_no_smaller_than_the_full_one_never_qualifies(tmp_path):
+    """SnapStream 4096 at a 2100-token request holds more than the full cache: non-inferior, yet no saving,
+    so not the cheapest safe cache (it was recommended, as 'effective gain above 1', when its gain could not
+    be computed)."""
+    write_run(tmp_path, binary_rows([1] * N), method="full", budget=None)
+    _run(tmp_path, "snapstream", 4096, "none", 0)
+    rep = build(settings(results_dir=str(tmp_path)))
+    rec = _rec(rep)
+    assert rec["best"] is None
+    assert rec["status"] == "no non-inferior configuration qualifies (no smaller than the full cache)"
+    (front,) = rep.frontier.values()
+    assert not front.qualifies.any() and front.why.iloc[0] == "no smaller than the full cache"
+
+
+def test_a_recommendation_whose_gain_was_not_computed_says_why(tmp_path):
+    """Every output hit the 256-token limit on both sides: the effective gain is unknown, so the
+    recommendation says why instead of claiming a gain above 1."""
+    from tests.runs_fixture import sample_row
+
+    def rows():
+        return [sample_row(f"s{i}", [{"score": 100.0}], tokens=[256], limit=256) for i in range(N)]
+
+    write_run(tmp_path, rows(), method="full", budget=None)
+    write_run(tmp_path, rows(), method="snapstream", budget=1024)
+    rec = _rec(build(settings(results_dir=str(tmp_path))))
+    assert rec["best"]["label"] == "snapstream 1024"
+    assert rec["status"].startswith("non-inferior, effective gain not computed (lengths truncated")
+
+
 def test_frontier_is_every_configuration_by_its_storage_bytes(tmp_path):
     _frontier_runs(tmp_path)
     rep = build(settings(results_dir=str(tmp_path)))
