@@ -18,7 +18,7 @@ from evalkit.report.budget import bench_speedup, load_hardware, memory_row
 from evalkit.report.columns import budget_key, budget_label
 from evalkit.report.config import ReportConfigError, ReportSettings
 from evalkit.report.frontier import equal_bytes, frontier, gain_check, recommend_bytes
-from evalkit.report.pairing import Pairing, PairingError, pair
+from evalkit.report.pairing import Pairing, PairingError, pair, sections
 from evalkit.report.reference import find_partner, pair_any, reference_target
 from evalkit.report.runs import Run, RunError, load_runs, unfinished
 
@@ -153,14 +153,17 @@ def build(settings: ReportSettings) -> Report:
                 f"compressed run, {len(p.only_full)} only in the full run: left out of the paired "
                 f"statistics (first: {(p.only_compressed + p.only_full)[:3]})"
             )
-    cells = pd.DataFrame(rows)
+    cells, tasks = pd.DataFrame(rows), sections(runs)  # a task run under other settings: its own section
     if len(cells):
+        cells["task"] = cells.run.map(tasks)
         cells = cells.sort_values(GROUP + ["budget", "metric"], key=_sort_key).reset_index(drop=True)
     report = Report(settings, runs, cells, problems, notes, lengths=report_lengths)
     report.query = query_cells(runs, settings, problems, notes)
+    if len(report.query):
+        report.query["task"] = report.query.run.map(tasks)
     report.missing = missing_cells(runs, settings) + unfinished(settings.results_dir)
     report.by_task = recommend_tasks(report.headline)
-    report.by_model = recommend_models(report.headline, runs)
+    report.by_model = recommend_models(report.headline, runs, tasks)
     report.frontier = frontier(report.headline)
     report.by_bytes = recommend_bytes(report.frontier)
     report.equal = equal_bytes(report.headline, runs, settings, report.problems)
@@ -244,7 +247,7 @@ def _qualifies(row) -> str:
     return "non-inferior" if gain_check(row)[0] is not False else "effective gain <= 1"
 
 
-def recommend_models(head: pd.DataFrame, runs: list[Run]) -> list[dict]:
+def recommend_models(head: pd.DataFrame, runs: list[Run], task_of: dict[str, str]) -> list[dict]:
     """Smallest budget non-inferior, with an effective gain above 1, on every task the model was evaluated
     on (a task without that budget, or without a pairable run, disqualifies it: 'evaluated on every task' is
     checked, never assumed)."""
@@ -253,7 +256,7 @@ def recommend_models(head: pd.DataFrame, runs: list[Run]) -> list[dict]:
         return out
     tasks = defaultdict(set)  # query-aware and query-agnostic runs: each over the tasks run that way
     for r in runs:
-        tasks[(r.model, r.query_aware)].add(r.task)
+        tasks[(r.model, r.query_aware)].add(task_of[r.rel])
     for (model, method, settings, storage, aware), rows in head.groupby(
         ["model", "method", "settings", "storage", "query_aware"], sort=True
     ):

@@ -62,6 +62,25 @@ def differences(a: Run, b: Run, fields, key: str) -> str:
     return ", ".join(diffs) or f"identity.{key} {a.identity[key]} vs {b.identity[key]}"
 
 
+def sections(runs: list[Run]) -> dict[str, str]:
+    """Run folder -> its task as the report groups it: the task, or where a model's task ran under several
+    generation settings (a limit, a seed, max_new_tokens), the task with the settings that tell them apart
+    (`ruler (limit=20)`), so runs of other settings never share a section, a row, a frontier or a
+    recommendation (each is paired with the full run of its own settings)."""
+    by: dict[tuple, dict] = {}  # (model, task) -> {base generation: its fields}
+    for r in runs:
+        by.setdefault((r.model, r.task), {}).setdefault(r.base_generation, r)
+    labels = {}
+    for (model, task), gens in by.items():
+        fields = {g: generation_fields(r) if r.config else {} for g, r in gens.items()}
+        keys = {k for f in fields.values() for k in f}
+        differ = sorted(k for k in keys if len({repr(f.get(k)) for f in fields.values()}) > 1)
+        for g, f in fields.items():
+            what = ", ".join(f"{LABELS.get(k, k)}={f.get(k)}" for k in differ) or f"generation {g}"
+            labels[(model, task, g)] = task if len(gens) == 1 else f"{task} ({what})"
+    return {r.rel: labels[(r.model, r.task, r.base_generation)] for r in runs}
+
+
 def partner(run: Run, fulls: list[Run]) -> Run:
     """The one full run `run` can be compared with, or PairingError saying why there is none. `query_aware`
     is no difference here (a full cache keeps everything either way); of two full runs differing only in it,

@@ -4,6 +4,7 @@ output tokens per paired problem). The same marker means the same verdict in eve
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import matplotlib
@@ -178,7 +179,8 @@ def write_plots(rep: Report, out: Path) -> dict:
     for (model, task), rows in head.groupby(["model", "task"], sort=True) if len(head) else []:
         metric, n = rows.metric.iloc[0], int(rows.n_paired.max())
         kv = rep.settings.deploy["kv_dtype"]
-        paths = {"forest": out / f"forest_{task}_{model}.png", "pareto": out / f"pareto_{task}_{model}.png"}
+        name = re.sub(r"[^\w.-]+", "_", task).strip("_") + f"_{model}"  # `ruler (limit=20)`: a file name
+        paths = {"forest": out / f"forest_{name}.png", "pareto": out / f"pareto_{name}.png"}
         forest(
             rows,
             f"{task} / {model} ({n} paired problems): {metric}, compressed - full",
@@ -188,7 +190,7 @@ def write_plots(rep: Report, out: Path) -> dict:
         rec = next((r for r in rep.by_bytes if (r["model"], r["task"]) == (model, task)), {})
         what = f"{task} / {model} ({n} paired problems): {metric} vs KV bytes\n(ringed: recommended)"
         pareto(rows, what, paths["pareto"], kv, (rec.get("best") or {}).get("run"))
-        lengths = out / f"lengths_{task}_{model}.png"
+        lengths = out / f"lengths_{name}.png"
         what = f"{task} / {model}\noutput tokens per paired problem, compressed vs full"
         if length_plot(rep, rows, what, lengths):
             paths["lengths"] = lengths

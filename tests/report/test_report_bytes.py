@@ -193,3 +193,29 @@ def test_old_and_new_runs_of_every_storage_share_one_problem_set(tmp_path):
     assert len({r.generation for r in rep.runs}) == 1
     (panel,) = leaderboard.panels(rep.runs)[("ruler", "smollm2_135m")]
     assert set(panel["lines"]) == {"snapstream", "snapstream + int4"}
+
+
+def test_runs_of_other_generation_settings_never_share_a_section(tmp_path):
+    """SnapStream 256 paired with its own full run at seed 0 (12 of 200 lost: worse) and at seed 1 (none
+    lost): two sections, `ruler (seed=0)` and `ruler (seed=1)`, each with its own frontier and
+    recommendation; the per-model recommendation sees the worse one (both shared one `ruler` before, the
+    model's recommendation kept only the seed-1 verdict and the frontier listed `snapstream 256` twice)."""
+    import shutil
+
+    for seed, lost in ((0, WORSE), (1, 0)):
+        alone = tmp_path / f"seed{seed}"
+        write_run(alone, binary_rows([1] * N), method="full", budget=None, seed=seed)
+        write_run(
+            alone, binary_rows([0] * lost + [1] * (N - lost)), method="snapstream", budget=256, seed=seed
+        )
+        shutil.copytree(alone / "runs" / "ruler", tmp_path / "both" / "runs" / f"ruler-seed{seed}")
+    rep = build(settings(results_dir=str(tmp_path / "both")))
+    assert not rep.problems
+    verdicts = dict(zip(rep.headline.task, rep.headline.verdict))
+    assert verdicts == {"ruler (seed=0)": "worse", "ruler (seed=1)": "non-inferior"}
+    assert sorted(rep.frontier) == [("smollm2_135m", "ruler (seed=0)"), ("smollm2_135m", "ruler (seed=1)")]
+    assert all(len(front) == 2 for front in rep.frontier.values())  # the configuration and the full cache
+    (model,) = [r for r in rep.by_model if r["method"] == "snapstream"]
+    assert model["budget"] is None and "non-inferior on every task" in model["status"]
+    assert write_report(rep.settings)
+    assert (tmp_path / "both" / "report" / "pareto_ruler_seed_0_smollm2_135m.png").is_file()
