@@ -693,3 +693,21 @@ def test_every_storage_decodes_in_the_pool_and_reports_the_bytes_it_holds(model,
     held = [by[n]["kv_bytes"] for n in names]
     assert held[0] > max(held[1:]) and held[2] > held[3] > held[4]  # fewer bits, fewer bytes
     assert by["fp8_e4m3"]["kv_vs_none"] < 0.3  # float32 codes to one byte, plus the scales
+
+
+def test_a_bucketed_run_of_some_lengths_keeps_the_other_rows_and_says_so(tmp_path):
+    """`python -m evalkit.bench.bucketed --lengths 16384 --out <new folder>`: the folder is made (a missing
+    one crashed after the measurement, losing it), and a run of some lengths replaces those rows only, its
+    provenance naming where the kept rows came from."""
+    out = tmp_path / "new" / "bench"
+    write_csv(
+        out / bucketed.MEASUREMENT.csv, [{"prompt_tokens": n, "eager_tok_s": n / 1000} for n in (2048, 16384)]
+    )
+    record_provenance(
+        out, bucketed.MEASUREMENT.name, "python -m evalkit.bench.bucketed --lengths 2048 16384", False
+    )
+    rows, command = bucketed.kept_rows(out, {16384}, "python -m evalkit.bench.bucketed --lengths 16384")
+    assert [r["prompt_tokens"] for r in rows] == [2048]
+    assert command.startswith("python -m evalkit.bench.bucketed --lengths 16384 (16384); 2048 kept from ")
+    assert "--lengths 2048 16384" in command
+    assert bucketed.kept_rows(tmp_path / "none", {16384}, "c") == ([], "c")

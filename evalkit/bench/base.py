@@ -71,4 +71,5 @@ def read_csv(path: Path) -> list[dict]:
 def write_csv(path: Path, rows: list[dict]) -> None:
     import pandas as pd
 
+    path.parent.mkdir(parents=True, exist_ok=True)  # a fresh --out: never lose a finished measurement
     pd.DataFrame(rows).to_csv(path, index=False)

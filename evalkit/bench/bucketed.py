@@ -213,6 +213,28 @@ MEASUREMENT = Measurement(
 )
 
 
+def kept_rows(out, lengths: set[int], command: str) -> tuple[list[dict], str]:
+    """The rows of other prompt lengths already in `out`'s CSV (a run of some lengths updates those rows
+    only), and the provenance command saying which rows came from where."""
+    import json
+
+    import pandas as pd
+
+    from evalkit.bench.summary import PROVENANCE
+
+    path = out / MEASUREMENT.csv
+    if not path.exists():
+        return [], command
+    rows = [r for r in pd.read_csv(path).to_dict("records") if int(r["prompt_tokens"]) not in lengths]
+    if not rows:
+        return [], command
+    prov = out / PROVENANCE
+    before = json.loads(prov.read_text()).get(MEASUREMENT.name, {}) if prov.exists() else {}
+    others = ", ".join(str(r["prompt_tokens"]) for r in rows)
+    was = f"`{before.get('command', '?')}` ({before.get('finished', '?')}, git {before.get('git', '?')})"
+    return rows, f"{command} ({', '.join(map(str, sorted(lengths)))}); {others} kept from {was}"
+
+
 def main(argv=None) -> None:
     """`python -m evalkit.bench.bucketed --lengths 16384 8192`: the full-size rows of some lengths, longest
     first, the CSV and summary.md rewritten after each row (a loaded machine may not finish them all)."""
@@ -233,9 +255,10 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     ctx, rows = Context(quick=False, out=Path(args.out)), []
     command = " ".join(["python -m evalkit.bench.bucketed", *(sys.argv[1:] if argv is None else argv)])
+    kept, command = kept_rows(ctx.out, set(args.lengths), command)
     for n in args.lengths:
         rows.append(bucketed_full(ctx.model, prompt_ids(ctx.tokenizer, n), args.max_new, 64, 4))
-        write_csv(ctx.out / MEASUREMENT.csv, sorted(rows, key=lambda r: r["prompt_tokens"]))
+        write_csv(ctx.out / MEASUREMENT.csv, sorted(kept + rows, key=lambda r: r["prompt_tokens"]))
         record_provenance(ctx.out, MEASUREMENT.name, command, False)
         write_summary(ctx.out, [measurement(m) for m in names()], {MEASUREMENT.name}, command)
 
