@@ -46,6 +46,7 @@ from evalkit.kv.cache import NONE, KVCache
 from evalkit.kv.layout import Shape, slots_needed
 from evalkit.kv.pool import BUCKETS, Buckets, SlotPool
 from evalkit.kv.prefill import shared_prefill
+from evalkit.kv.select import agree_for
 from evalkit.kv.static import compile_config
 from evalkit.kv.storage import KVStorage
 from evalkit.team import Team
@@ -119,7 +120,7 @@ class Engine:
         self.shapes: set[tuple[int, int, int]] = set()  # (rows, slots, visible) the decode step ran in
         self.storage = storage  # how every cache and the pool hold K/V (`evalkit.kv.storage`): one per run
         self.team = team or Team.single()
-        self.cache_agree = self.team.cache_agree(model)  # kept indices -> the TP group's (MLA)
+        self.cache_agree = agree_for(self.team, model)  # kept indices -> the TP group's (MLA)
         self.n_rows, self.continuous = rows, continuous
         text = model.config.get_text_config()  # what a request's slots may depend on (adaptive budgets)
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads

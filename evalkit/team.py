@@ -34,8 +34,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from evalkit.kv.select import Own, own
-
 TIMEOUT_ENV = "EVALKIT_DIST_TIMEOUT_S"
 
 
@@ -179,36 +177,6 @@ def die_with_launcher(env=os.environ) -> None:
 
 
 # --- the team -----------------------------------------------------------------------------------------------
-class Broadcast(Own):
-    """Replicated attention under TP (MLA): every rank holds every head; a kept set is the TP root's."""
-
-    def __init__(self, team: Team):
-        self.team = team
-
-    def __call__(self, indices: torch.Tensor) -> torch.Tensor:
-        return self.team.agree(indices)
-
-
-class Sharded(Own):
-    """Per-rank KV heads under TP (q/k/v colwise): each rank keeps its own heads' sets; a choice across a
-    layer's heads reads every rank's, gathered in rank order (the one-process head order, as transformers
-    shards them), and takes back its own contiguous share."""
-
-    def __init__(self, team: Team):
-        self.team = team
-
-    def all_heads(self, x: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(x) for _ in range(self.team.tp)]
-        dist.all_gather(parts, x.contiguous(), group=self.team._tp_group)  # collective, at prefill only
-        return torch.cat(parts, dim=1)
-
-    def my_heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.chunk(self.team.tp, dim=1)[self.team.ranks.tp_rank]
-
-    def heads(self, here: int) -> int:
-        return here * self.team.tp
-
-
 class Team:
     """The processes of one run and what they decide together. One process: `Team.single()`, every
     collective a no-op. Made once per run (`Team.start`) and handed down; it holds no module state."""
@@ -317,13 +285,17 @@ class Team:
         dist.broadcast(x, src=self.ranks.tp_root, group=self._tp_group)
         return x
 
-    def cache_agree(self, model) -> Own:
-        """The `agree` a KV cache of `model` gets for its kept sets: under TP with replicated attention (MLA:
-        one kept set per layer on every rank) the TP root's choice; with per-rank KV heads each rank's own,
-        the layer's heads gathered where a choice spans them; one process: its own."""
-        if self.tp == 1:
-            return own
-        return Broadcast(self) if replicated_attention(model, self.tp) else Sharded(self)
+    def gather_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H_here, ...) of every rank of this TP group, concatenated in rank order on dim 1: the layer's
+        heads as one process holds them (transformers shards heads contiguously)."""
+        parts = [torch.empty_like(x) for _ in range(self.tp)]
+        dist.all_gather(parts, x.contiguous(), group=self._tp_group)
+        return torch.cat(parts, dim=1)
+
+    def replicated(self, model) -> bool:
+        """Whether every rank of this TP group computes the same attention heads of `model` (MLA): a kept
+        set must then be agreed (`evalkit.kv.select.agree_for` picks the cache's `agree` from it)."""
+        return replicated_attention(model, self.tp)
 
     def gather(self, value: int) -> list[int]:
         """`value` of every rank, on every rank (one process: [value])."""

@@ -201,7 +201,7 @@ class KVCache(Cache):
     ):
         self.method, self.attn_name = method, attn_name
         self.storage = storage  # how each slot is held (`evalkit.kv.storage`, conf/kv/): chosen once per run
-        self.agree = agree  # kept indices -> the ones every TP rank keeps (evalkit.team: `cache_agree`)
+        self.agree = agree  # kept indices -> the ones every TP rank keeps (`select.agree_for`)
         self.record, self.replay = record, replay  # evalkit.kv.prefill: share one prefill across budgets
         self.max_new_tokens = self._check_max_new(max_new_tokens)
         self.rows: Rows | None = None

@@ -89,7 +89,7 @@ def group_mean(scores: torch.Tensor, num_cache_heads: int) -> torch.Tensor:
 class Own:
     """The default `agree`: this process's choice as it is, over every KV head of a layer (one process).
 
-    A cache's kept sets relate to the other TP ranks' through it (`evalkit.team.Team.cache_agree` makes the
+    A cache's kept sets relate to the other TP ranks' through it (`agree_for` makes the
     others): called on kept indices it returns the ones every rank keeps; `all_heads` / `my_heads` / `heads`
     turn this process's KV heads into the layer's and back, for a choice that compares or averages across
     heads (AdaKV's one top-k per layer, TOVA's mean over heads)."""
@@ -112,6 +112,44 @@ class Own:
 
 own = Own()  # stateless: one instance serves every one-process cache
 Agree = Own  # kept indices -> the indices every TP rank keeps; this process's heads -> the layer's
+
+
+class Broadcast(Own):
+    """Replicated attention under TP (MLA): every rank holds every head; a kept set is the TP root's
+    (`team`: an `evalkit.team.Team`)."""
+
+    def __init__(self, team):
+        self.team = team
+
+    def __call__(self, indices: torch.Tensor) -> torch.Tensor:
+        return self.team.agree(indices)
+
+
+class Sharded(Own):
+    """Per-rank KV heads under TP (q/k/v colwise): each rank keeps its own heads' sets; a choice across a
+    layer's heads reads every rank's, gathered in rank order (the one-process head order, as transformers
+    shards them), and takes back its own contiguous share (`team`: an `evalkit.team.Team`)."""
+
+    def __init__(self, team):
+        self.team = team
+
+    def all_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return self.team.gather_heads(x)  # a collective: at prefill, and tova_decode's eager steps
+
+    def my_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.chunk(self.team.tp, dim=1)[self.team.ranks.tp_rank]
+
+    def heads(self, here: int) -> int:
+        return here * self.team.tp
+
+
+def agree_for(team, model) -> Own:
+    """The `agree` a KV cache of `model` gets on `team` (an `evalkit.team.Team`): one process, its own;
+    under TP with replicated attention (MLA: one kept set per layer on every rank) the TP root's choice;
+    with per-rank KV heads each rank's own, the layer's heads gathered where a choice spans them."""
+    if team.tp == 1:
+        return own
+    return Broadcast(team) if team.replicated(model) else Sharded(team)
 
 
 def place_topk(

@@ -59,7 +59,7 @@ def test_tp2_keeps_and_generates_what_one_process_does(arch, tp2):
 
 def test_mla_kept_sets_are_the_roots_even_when_a_rank_scores_differently(tp2):
     """Rank 1's SnapKV scores are perturbed before the top-K: its kept sets are still rank 0's (broadcast
-    where scores become kept positions: the cache's `agree`, `Team.cache_agree`), and so are its tokens."""
+    where scores become kept positions: the cache's `agree`, `select.agree_for`), and so are its tokens."""
     r0, r1 = tp2["deepseek_v3"]
     assert r1["perturbed"]["kept"] == r0["perturbed"]["kept"]
     assert r1["perturbed"]["tokens"] == r0["perturbed"]["tokens"]

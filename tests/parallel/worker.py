@@ -67,6 +67,7 @@ def observe(arch: str, methods: dict = METHODS, team=None, kv: str = "none", kv_
     from evalkit.kv.config import make_method
     from evalkit.kv.pool import Buckets
     from evalkit.kv.prefill import shared_prefill
+    from evalkit.kv.select import agree_for
     from evalkit.kv.storage import make_storage
     from evalkit.loading import load_model
     from evalkit.models import ModelSpec
@@ -77,7 +78,7 @@ def observe(arch: str, methods: dict = METHODS, team=None, kv: str = "none", kv_
     spec = ModelSpec(name=f"tiny_{arch}", random=TINY[arch], tokenizer="smollm2_135m", dtype=DTYPE[arch])
     model, _ = load_model(spec, team)
     tokenizer = StubTokenizer()  # kvzip's repeat prompt in the tiny models' 256 ids
-    agree = team.cache_agree(model)
+    agree = agree_for(team, model)
     storage = make_storage(kv, **(kv_settings or {}))
     out = {}
     for name, settings in methods_for(arch, methods).items():
