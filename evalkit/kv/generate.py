@@ -164,10 +164,7 @@ def batch_stats(done: list, engine) -> dict:
         {**{k: total[k] for k in ("seen", "kept", "evicted")}, "layer": i, "bytes": width * slots}
         for i, width in enumerate(engine.layer_bytes)
     ]
-    pool = engine.pool
-    reserved = (
-        sum(lay.entry_bytes() * pool.capacity for lay in pool.layers) if pool is not None else total["bytes"]
-    )
+    reserved = engine.pool.allocated_bytes() if engine.pool is not None else total["bytes"]
     return {
         **total,
         "slots": max(r["slots"] for r in rows),

@@ -39,9 +39,12 @@ class PrefillRecord:
     hinted_by: str | None = None  # `KVMethod.score_key` of the method whose scores `hints` are
 
     def keep_scores(self, method, hints: dict[int, torch.Tensor]) -> None:
-        """Keep `method`'s budget-free scores per layer, for the methods that score alike to replay."""
+        """Keep `method`'s budget-free scores per layer, for the methods that score alike to replay; another
+        method's scores held before are dropped (a record holds one method's scores, never a mix)."""
+        key = method.score_key()
+        if key != self.hinted_by:
+            self.hints, self.hinted_by = {}, key
         self.hints.update(hints)
-        self.hinted_by = method.score_key()
 
     def hints_for(self, method) -> dict[int, torch.Tensor]:
         """The recorded scores `method` may replay: only those of a method that scores as it does (another

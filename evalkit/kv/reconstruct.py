@@ -152,7 +152,6 @@ def prefill_with_reconstruction(method, forward, cache, tokenizer, kwargs: dict)
         full.span = (start, end)
         forward(input_ids=torch.tensor([repeat], device=ids.device), **{key: full}, use_cache=True)
         full.drop_repeat(t)
-    record.hints = {}
     record.keep_scores(cache.method, dict(enumerate(full.scores)))
     record.logits = out.logits[:, -1:].clone()
     populate(cache, record)

@@ -75,14 +75,15 @@ def frontier(head: pd.DataFrame) -> dict[tuple[str, str], pd.DataFrame]:
         checks = [gain_check(r) for _, r in rows.iterrows()]
         rows["kind"] = [kind(m) for m in rows.method]
         rows["label"] = [label(r) for _, r in rows.iterrows()]
-        saves = rows.kv_bytes_seq < rows.kv_bytes_seq_full  # no smaller than the full cache: no saving
+        rows["saves"] = rows.kv_bytes_seq < rows.kv_bytes_seq_full  # no smaller than the full cache: none
         rows["gain_known"] = [ok is True for ok, _ in checks]
         rows["qualifies"] = [
             v == "non-inferior" and ok is not False and bool(s)
-            for v, (ok, _), s in zip(rows.verdict, checks, saves)
+            for v, (ok, _), s in zip(rows.verdict, checks, rows.saves)
         ]
         rows["why"] = [
-            _why(q, v, ok, why, s) for q, v, (ok, why), s in zip(rows.qualifies, rows.verdict, checks, saves)
+            _why(q, v, ok, why, s)
+            for q, v, (ok, why), s in zip(rows.qualifies, rows.verdict, checks, rows.saves)
         ]
         rows = rows.sort_values(["kv_bytes_seq", "compressed"], ascending=[True, False])
         first = rows.iloc[0]
@@ -117,7 +118,9 @@ def recommend_bytes(fronts: dict[tuple[str, str], pd.DataFrame]) -> list[dict]:
         rec = {"model": model, "task": task, "best": best, "other": None, "configs": len(rows)}
         if best is None:
             non_inf = rows[rows.verdict == "non-inferior"]
-            whys = sorted({"effective gain <= 1" if "gain" in w else w for w in non_inf.why})
+            whys = sorted(
+                {"effective gain <= 1" if s else "no smaller than the full cache" for s in non_inf.saves}
+            )
             rec["status"] = (
                 f"no non-inferior configuration qualifies ({'; '.join(whys)})"
                 if len(non_inf)

@@ -156,3 +156,16 @@ def test_int_measured_bytes_equal_modelled(name):
         assert held == geometry.sequence_bytes(slots, m.blocks()[1] if m.ring else 0), (m.name, i)
         if m.name != "streamingllm":
             assert held < plain.sequence_bytes(slots), (m.name, i)
+
+
+def test_generate_reserves_the_pools_codes_and_windows():
+    """`generate`'s `reserved_bytes` is the engine pool's whole allocation in its storage: every slot's codes
+    and the raw windows beside them (`SlotPool.allocated_bytes`), so never below the bytes its rows hold (it
+    counted the codes alone: less than a full row's codes + windows)."""
+    from evalkit.kv import generate
+
+    model = tiny_model("llama", seed=3)
+    x = torch.tensor([ids((90,))[0]])
+    _, stats = generate(model, x, Full(), storage=INT["int4"], max_new_tokens=8, min_new_tokens=8)
+    _, plain = generate(model, x, Full(), max_new_tokens=8, min_new_tokens=8)
+    assert stats["bytes"] <= stats["reserved_bytes"] < plain["reserved_bytes"]
