@@ -130,12 +130,6 @@ class SlotEvictor(Evictor):
 
     @classmethod
     def refusal(cls, method, facts) -> str | None:
-        if facts.mla and facts.compile and facts.tp > 1:
-            return (
-                f"method {method.name} with compile=true under tensor parallelism on an MLA model: every "
-                "step's eviction is broadcast from the TP root, which the compiled step cannot hold. Set "
-                "compile=false, or run one process"
-            )
         if facts.followup:
             task = f"task {facts.task}" if facts.task else "the task"
             return (

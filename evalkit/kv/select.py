@@ -122,7 +122,9 @@ class Broadcast(Own):
         self.team = team
 
     def __call__(self, indices: torch.Tensor) -> torch.Tensor:
-        return self.team.agree(indices)
+        # the root's row of an all-gather, not a broadcast: torch.compile traces an all-gather (a functional
+        # collective, one graph), so a compiled decode step's eviction agrees too; kept indices are small
+        return self.team.gather_heads(indices.unsqueeze(1))[:, 0]  # (B, ...): TP rank 0 is the root
 
 
 class Sharded(Own):

@@ -29,16 +29,6 @@ class TOVAEvictor(SlotEvictor):
 
     observes = True
 
-    @classmethod
-    def refusal(cls, method, facts) -> str | None:
-        if facts.tp > 1 and facts.compile:
-            return (
-                f"method {method.name} averages each step's attention over all of a layer's heads, which "
-                "tensor parallelism splits across processes: each step gathers them, which the compiled "
-                "step cannot hold. Set compile=false, or run one process"
-            )
-        return super().refusal(method, facts)
-
     def allocate(self, pool, like, batch, capacity) -> None:
         super().allocate(pool, like, batch, capacity)
         dev = pool.rows.valid.device

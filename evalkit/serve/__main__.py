@@ -88,7 +88,7 @@ def checked(cfg: DictConfig):
     if method.budget is not None and method.budget > context:
         raise ConfigError(f"method.budget={method.budget} is above {spec.name}'s context of {context} tokens")
     check_tp(spec.name, model_cfg, ranks.tp)
-    # what the method cannot run with (MLA, compile under TP), what the storage cannot hold for it; a served
+    # what the method cannot run with (MLA, a follow-up call), what the storage cannot hold for it; a served
     # request makes no follow-up call
     facts = run_facts(spec.name, model_cfg, cfg.compile, followup=False, tp=ranks.tp)
     check_methods([method], facts, storage, model_cfg)

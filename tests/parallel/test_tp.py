@@ -11,11 +11,14 @@ import pytest
 import torch.multiprocessing as mp
 
 from tests.parallel.worker import (
+    BACKEND,
+    COMPILED,
     FP8_METHODS,
     INT4,
     INT_METHODS,
     methods_for,
     observe,
+    tp_compiled_main,
     tp_fp8_main,
     tp_main,
 )
@@ -64,6 +67,20 @@ def test_mla_kept_sets_are_the_roots_even_when_a_rank_scores_differently(tp2):
     assert r1["perturbed"]["kept"] == r0["perturbed"]["kept"]
     assert r1["perturbed"]["tokens"] == r0["perturbed"]["tokens"]
     assert r0["perturbed"]["kept"] == r0["snapkv"]["kept"]  # rank 0 was not perturbed
+
+
+def test_compiled_tp2_decodes_what_one_process_does(tmp_path):
+    """A compiled decode step (fullgraph) holds the collectives a step's eviction needs under TP:
+    tova_decode's gather of the layer's heads, and on MLA the TP root's choice (an all-gather: a broadcast
+    is not traced); greedy and sampled tokens equal one process's, compiled alike."""
+    mp.start_processes(tp_compiled_main, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    for arch in ARCHS:
+        one = observe(arch, COMPILED, compile=BACKEND)
+        for name in COMPILED:
+            for sampling in ("greedy", "sampled"):
+                got = (r0[arch][name]["tokens"][sampling], r1[arch][name]["tokens"][sampling])
+                assert got[0] == got[1] == one[name]["tokens"][sampling], (arch, name, sampling)
 
 
 def test_tp2_in_fp8_generates_what_one_process_does(tmp_path):

@@ -56,10 +56,13 @@ DTYPE = {"llama": "float64", "deepseek_v3": "float32"}
 BUCKETS = dict(floor=16, per_octave=4)
 
 
-def observe(arch: str, methods: dict = METHODS, team=None, kv: str = "none", kv_settings=None) -> dict:
+def observe(
+    arch: str, methods: dict = METHODS, team=None, kv: str = "none", kv_settings=None, compile=False
+) -> dict:
     """{method: {"kept": [[layer][head] positions] per prompt, "tokens": {sampling: [tokens per prompt]},
     "margin": smallest greedy top-2 logit margin}} on this process of `team` (one process by default), the
-    caches held by KV storage `kv` (a conf/kv name, with `kv_settings` overridden)."""
+    caches held by KV storage `kv` (a conf/kv name, with `kv_settings` overridden), the decode step compiled
+    with `compile` (the engine's argument)."""
     from transformers import GenerationConfig
 
     from evalkit.engine import Engine
@@ -92,7 +95,14 @@ def observe(arch: str, methods: dict = METHODS, team=None, kv: str = "none", kv_
         tokens, margin = {}, float("inf")
         for mode, gen in SAMPLING.items():
             engine = Engine(
-                model, tokenizer, eos_ids=[], rows=2, team=team, buckets=Buckets(**BUCKETS), storage=storage
+                model,
+                tokenizer,
+                eos_ids=[],
+                rows=2,
+                team=team,
+                buckets=Buckets(**BUCKETS),
+                storage=storage,
+                compile=compile,
             )
             reqs = [
                 ask(str(i), ids, 12, method, GenerationConfig(**gen), seed=100 + i, keep_logits=True)
@@ -132,6 +142,28 @@ def tp_main(rank: int, world: int, port: int, archs: tuple, folder: str) -> None
     try:
         result = {arch: observe(arch, team=team) for arch in archs}
         result["deepseek_v3"]["perturbed"] = perturbed("deepseek_v3", team)
+    finally:
+        team.leave()
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+# a compiled step's collectives: tova_decode gathers the layer's heads, an MLA eviction takes the root's
+# choice (aot_eager traces the one graph as inductor does, fullgraph, without its C++ build)
+COMPILED = {name: METHODS[name] for name in ("h2o", "tova_decode")}
+BACKEND = "aot_eager"
+
+
+def tp_compiled_main(rank: int, world: int, port: int, folder: str) -> None:
+    """One rank of a TP=world run of both architectures, each decode step compiled (`COMPILED` methods)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from evalkit.team import Ranks, Team
+
+    team = Team.start(Ranks.from_config({"parallel": {"tp_size": world, "dp_size": 1}}))
+    try:
+        result = {arch: observe(arch, COMPILED, team, compile=BACKEND) for arch in ("llama", "deepseek_v3")}
     finally:
         team.leave()
     with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
