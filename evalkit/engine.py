@@ -149,7 +149,6 @@ class Engine:
         self.prefill_tokens = self.decode_tokens = 0
         # bytes of one row's slot per layer (K and V), and the KV heads this process caches (all the model's,
         # or its share under tensor parallelism), from the first prefill
-        self.layer_bytes: list[int] = []
         self.kv_heads: int | None = None
         self._feed: Feed | None = None  # run(feed=...): told each token
         self.live: list[_Row | None] = []  # while running: each row's turn, None where idle (a feed reads)
@@ -203,7 +202,6 @@ class Engine:
                 self.capacity = max(self.capacity, self._need(conv))  # a follow-up, or one that arrived
                 start = time.perf_counter()
                 cache, logits, replayed = self._prefill(conv)
-                self.layer_bytes = self.layer_bytes or [lay.entry_bytes() for lay in cache.layers]
                 self.kv_heads = self.kv_heads or int(cache.layers[0].keys.shape[1])  # (B, H_kv, T, D)
                 row = self._first_row(conv, time.perf_counter() - start, replayed)
                 self.prefill_s += row.prefill_s
@@ -419,7 +417,7 @@ class Engine:
         )
         if turn.forced:  # query_aware=false: the question's tokens were fed as decoded ones (counted as such)
             stats["question_tokens"] = len(turn.forced)
-        return Done(row.key, turn, row.tokens, ended, stats, row.logits)
+        return Done(row.key, turn, row.tokens, ended, stats, row.logits, kv["layer_bytes"])
 
     def _need(self, conv: Conversation) -> int:
         """Slots a conversation needs in the pool (all its turns on its one cache)."""

@@ -112,6 +112,7 @@ class Done:
     ended: str  # "eos", "stop", "limit" or "cancelled" (dropped by a live caller)
     stats: dict  # the row's KV figures, timing
     logits: list[torch.Tensor] | None = None  # (V,) float32 per generated token, when the turn kept them
+    layer_bytes: list[int] = field(default_factory=list)  # bytes per layer as the row ended (not journaled)
 
     @property
     def tag(self):

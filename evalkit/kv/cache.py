@@ -406,8 +406,11 @@ class KVCache(Cache):
         kept = self.slot_mask.kept(self, valid, used)  # entries per layer and head (adaptive: their mean)
         lengths = torch.tensor(rows.lengths, dtype=torch.int32, device=rows.valid.device)
         kept_generated = (self.layers[0].pos[:, 0, :used] >= lengths[:, None]).sum(1).tolist()
-        per_slot = sum(lay.entry_bytes() for lay in self.layers) // len(valid)  # one row, all layers, K and V
-        # each row's per-row tensors, all layers: codes' scales, a raw window
+        # (B, L): a row's slots of each layer, K and V, and the layer's per-row tensors (scales, a window)
+        layer_bytes = [
+            [lay.entry_bytes() // len(valid) * slots[r] + lay.row_scale_bytes(r) for lay in self.layers]
+            for r in range(len(valid))
+        ]
         scales = [sum(lay.row_scale_bytes(r) for lay in self.layers) for r in range(len(valid))]
         ragged = sum(  # (B,) bytes of the entries held, head by head: one sync, at report time
             (lay.pos[:, :, :used] >= 0).sum((1, 2)) * (lay.entry_bytes() // lay.pos[:, :, 0].numel())
@@ -420,8 +423,9 @@ class KVCache(Cache):
                 "evicted": seen - kept[r],
                 "evicted_generated": seen - length - kept_generated[r],
                 "slots": slots[r],
-                "bytes": per_slot * slots[r] + scales[r],
+                "bytes": sum(layer_bytes[r]),
                 "ragged_bytes": ragged[r] + scales[r],
+                "layer_bytes": layer_bytes[r],
             }
             for r, (seen, length) in enumerate(zip(rows.next_pos.tolist(), rows.lengths))
         ]

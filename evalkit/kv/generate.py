@@ -154,15 +154,15 @@ def batch_stats(done: list, engine) -> dict:
             "slots": d.stats["kv_slots"],
             "bytes": d.stats["kv_bytes"],
             "ragged_bytes": d.stats["kv_ragged_bytes"],
+            "layer_bytes": d.layer_bytes,
         }
         for d in done
     ]
     figures = ("seen", "kept", "evicted", "evicted_generated", "bytes", "ragged_bytes")
     total = {k: sum(r[k] for r in rows) for k in figures}
-    slots = sum(r["slots"] for r in rows)
-    per_layer = [
-        {**{k: total[k] for k in ("seen", "kept", "evicted")}, "layer": i, "bytes": width * slots}
-        for i, width in enumerate(engine.layer_bytes)
+    per_layer = [  # each row's bytes of layer i as it ended: its slots and the storage's tensors beside them
+        {**{k: total[k] for k in ("seen", "kept", "evicted")}, "layer": i, "bytes": sum(held)}
+        for i, held in enumerate(zip(*(r["layer_bytes"] for r in rows)))
     ]
     reserved = engine.pool.allocated_bytes() if engine.pool is not None else total["bytes"]
     return {

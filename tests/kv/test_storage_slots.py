@@ -169,3 +169,20 @@ def test_generate_reserves_the_pools_codes_and_windows():
     _, stats = generate(model, x, Full(), storage=INT["int4"], max_new_tokens=8, min_new_tokens=8)
     _, plain = generate(model, x, Full(), max_new_tokens=8, min_new_tokens=8)
     assert stats["bytes"] <= stats["reserved_bytes"] < plain["reserved_bytes"]
+
+
+@pytest.mark.parametrize("storage", ["int4", "fp8"])
+def test_generate_counts_each_layers_codes_and_windows(storage):
+    """`generate`'s per-layer bytes are each row's slots of that layer and the storage's tensors beside them
+    (int's raw windows, fp8's scales): they add up to the rows' bytes (they counted the codes alone)."""
+    from evalkit.kv import generate
+    from evalkit.kv.storage import make_storage
+
+    store = INT["int4"] if storage == "int4" else make_storage("fp8_e4m3")
+    model = tiny_model("llama", seed=3)
+    x = torch.tensor([ids((90,))[0]])
+    _, stats = generate(model, x, SnapStream(budget=64, window=8), storage=store, max_new_tokens=8)
+    per_layer = [d["bytes"] for d in stats["per_layer"]]
+    assert len(per_layer) == TINY["llama"]["num_hidden_layers"]
+    assert sum(per_layer) == stats["bytes"] == sum(r["bytes"] for r in stats["rows"])
+    assert len(set(per_layer)) == 1  # every layer alike here
