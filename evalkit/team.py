@@ -13,8 +13,8 @@ model loader, the LM, the engine, and through the engine each KV cache (an `agre
   TP root (tp_rank 0) appends to its own journal shard (evalkit.journal), and rank 0 folds the shards into
   `generations.jsonl` when it scores. TP peers learn what is journaled from their root (`share`).
 - identical decisions: a choice every rank of a TP group must make alike (a kept-token set of replicated
-  attention, MLA; the next token) is taken on the TP root and broadcast (`agree`), never trusted to equal
-  floating point.
+  attention, MLA; the next token) is taken on the TP root and broadcast (`agree`; a cache's kept set through
+  an all-gather, which a compiled step traces), never trusted to equal floating point.
 - bounded failure: the process group has a timeout (`EVALKIT_DIST_TIMEOUT_S`, default 600 s), torchrun ends
   every rank when one exits non-zero, and every rank dies with its launcher (a parent-death signal), so a
   `kill -9` of torchrun leaves no orphan holding the run folder's lock.

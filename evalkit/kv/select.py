@@ -136,7 +136,7 @@ class Sharded(Own):
         self.team = team
 
     def all_heads(self, x: torch.Tensor) -> torch.Tensor:
-        return self.team.gather_heads(x)  # a collective: at prefill, and tova_decode's eager steps
+        return self.team.gather_heads(x)  # a collective: at prefill, and each tova_decode step
 
     def my_heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.chunk(self.team.tp, dim=1)[self.team.ranks.tp_rank]

@@ -45,6 +45,7 @@ def test_int_group_quantizer_equals_quanto(bits):
     """transformers' quanto backend with axis_key=-1 groups keys per channel along tokens and axis_value=0
     values per token along channels: KIVI's groups. Codes and read-back values equal optimum-quanto's."""
     from optimum import quanto  # pinned in requirements.txt: the reference always runs
+
     g = torch.Generator().manual_seed(bits)
     x = torch.randn(2, 3, 64, 64, generator=g) * torch.linspace(0.5, 8, 64)
     storage = IntStorage(bits=bits, group=32, residual=64)
