@@ -27,24 +27,38 @@ from evalkit.errors import EvalkitError
 PACKAGES = ("evalkit", "torch", "transformers", "lm_eval", "datasets", "hydra-core", "pandas", "accelerate")
 
 
-def check_writable(folder: Path) -> None:
-    """Fail now, not after the model and data loaded, when results cannot be written; leaves nothing
-    behind."""
-    made, path = [], Path(folder).absolute()
-    try:
-        for parent in reversed([path, *path.parents]):
-            if not parent.exists():
-                parent.mkdir()
-                made.append(parent)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        from evalkit.config import ConfigError
+def check_writable(folder: Path, tries: int = 3) -> None:
+    """Fail now, not after the model and data loaded, when results cannot be written; leaves nothing behind
+    but what a concurrent run (a sweep's parallel jobs share parent folders) put there meanwhile."""
+    path = Path(folder).absolute()
+    for attempt in range(tries):
+        made = []
+        try:
+            for parent in reversed([path, *path.parents]):
+                try:
+                    parent.mkdir()
+                    made.append(parent)
+                except FileExistsError:  # there already, or a concurrent run made it just now
+                    pass
+            with tempfile.TemporaryFile(dir=path):
+                return
+        except FileNotFoundError as e:  # a concurrent check removed a parent between two steps: again
+            if attempt == tries - 1:
+                raise _unwritable(path, e) from None
+        except OSError as e:
+            raise _unwritable(path, e) from None
+        finally:
+            for d in reversed(made):
+                try:
+                    d.rmdir()
+                except OSError:  # a concurrent run's folder is inside now: it stays (its run needs it)
+                    break
 
-        raise ConfigError(f"results_dir: cannot write into {path} ({e.strerror or e})") from None
-    finally:
-        for d in reversed(made):
-            d.rmdir()
+
+def _unwritable(path: Path, e: OSError):
+    from evalkit.config import ConfigError
+
+    return ConfigError(f"results_dir: cannot write into {path} ({e.strerror or e})")
 
 
 def atomic_write(path: Path, text: str | bytes) -> None:

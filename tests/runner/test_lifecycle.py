@@ -177,6 +177,33 @@ def test_results_dir_that_is_a_file_fails_early_and_leaves_nothing(tmp_path, no_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
+def test_the_writable_check_keeps_a_concurrent_jobs_folder_and_retries_a_removed_parent(
+    tmp_path, monkeypatch
+):
+    """A parallel sweep's two jobs check sibling run folders under one new parent: one's clean-up finds the
+    other's folder inside the parent it made and keeps both (rmdir raised ENOTEMPTY: the job failed); a
+    parent the other's clean-up removed between two steps is made again."""
+    import tempfile
+
+    from evalkit import results
+
+    parent, real, calls = tmp_path / "runs" / "snapstream", tempfile.TemporaryFile, []
+
+    def concurrent(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            (parent / "128").mkdir()  # the other job, meanwhile
+        elif len(calls) == 2:
+            raise FileNotFoundError(2, "No such file or directory")  # the other job's clean-up, meanwhile
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(results.tempfile, "TemporaryFile", concurrent)
+    results.check_writable(parent / "64")
+    assert sorted(p.name for p in parent.iterdir()) == ["128"]
+    results.check_writable(parent / "256")  # the retry finds it writable
+    assert len(calls) == 3 and sorted(p.name for p in parent.iterdir()) == ["128"]
+
+
 @pytest.mark.parametrize(
     "content, message",
     [
