@@ -147,8 +147,8 @@ class Engine:
         # the progress bar's rates: prefill and decode apart (a prefill of 2k tokens is not slow decoding)
         self.prefill_s = self.decode_s = 0.0
         self.prefill_tokens = self.decode_tokens = 0
-        # bytes of one row's slot per layer (K and V), and the KV heads this process caches (all the model's,
-        # or its share under tensor parallelism), from the first prefill
+        # the KV heads this process caches (all the model's, or its share under tensor parallelism), from the
+        # first prefill
         self.kv_heads: int | None = None
         self._feed: Feed | None = None  # run(feed=...): told each token
         self.live: list[_Row | None] = []  # while running: each row's turn, None where idle (a feed reads)

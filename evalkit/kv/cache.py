@@ -28,6 +28,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from evalkit.kv.attention import hand_off
+from evalkit.kv.figures import summed
 from evalkit.kv.layout import Rows, Shape, plan_rows, ring_slot, valid_columns
 from evalkit.kv.scorers import PrefillView, rope_of
 from evalkit.kv.select import Agree, group_mean, own
@@ -361,18 +362,8 @@ class KVCache(Cache):
         In a batch, a row that finished early keeps receiving pad tokens until the longest row ends.
         """
         rows = self.row_stats()
-        figures = ("seen", "kept", "evicted", "evicted_generated", "bytes", "ragged_bytes")
-        total = {k: sum(r[k] for r in rows) for k in figures}
+        total, per_layer = summed(rows)
         used = self._in_use()
-        per_layer = [
-            {
-                **{k: total[k] for k in ("seen", "kept", "evicted")},
-                "layer": i,
-                "bytes": lay.entry_bytes() * used + sum(lay.row_scale_bytes(r) for r in range(len(rows))),
-            }
-            for i, lay in enumerate(self.layers)
-            if lay.keys is not None
-        ]
         reserved = sum(
             lay.entry_bytes() * lay.keys.shape[2] + sum(lay.row_scale_bytes(r) for r in range(len(rows)))
             for lay in self.layers
@@ -406,12 +397,13 @@ class KVCache(Cache):
         kept = self.slot_mask.kept(self, valid, used)  # entries per layer and head (adaptive: their mean)
         lengths = torch.tensor(rows.lengths, dtype=torch.int32, device=rows.valid.device)
         kept_generated = (self.layers[0].pos[:, 0, :used] >= lengths[:, None]).sum(1).tolist()
-        # (B, L): a row's slots of each layer, K and V, and the layer's per-row tensors (scales, a window)
+        # (B, L): the storage's per-row tensors of each layer (codes' scales, a raw window), and with them a
+        # row's bytes of each layer: its slots, K and V
+        scales = [[lay.row_scale_bytes(r) for lay in self.layers] for r in range(len(valid))]
         layer_bytes = [
-            [lay.entry_bytes() // len(valid) * slots[r] + lay.row_scale_bytes(r) for lay in self.layers]
+            [lay.entry_bytes() // len(valid) * slots[r] + s for lay, s in zip(self.layers, scales[r])]
             for r in range(len(valid))
         ]
-        scales = [sum(lay.row_scale_bytes(r) for lay in self.layers) for r in range(len(valid))]
         ragged = sum(  # (B,) bytes of the entries held, head by head: one sync, at report time
             (lay.pos[:, :, :used] >= 0).sum((1, 2)) * (lay.entry_bytes() // lay.pos[:, :, 0].numel())
             for lay in self.layers
@@ -424,7 +416,7 @@ class KVCache(Cache):
                 "evicted_generated": seen - length - kept_generated[r],
                 "slots": slots[r],
                 "bytes": sum(layer_bytes[r]),
-                "ragged_bytes": ragged[r] + scales[r],
+                "ragged_bytes": ragged[r] + sum(scales[r]),
                 "layer_bytes": layer_bytes[r],
             }
             for r, (seen, length) in enumerate(zip(rows.next_pos.tolist(), rows.lengths))

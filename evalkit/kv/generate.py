@@ -15,6 +15,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from evalkit.kv.figures import summed
 from evalkit.kv.static import compile_config  # re-exported: how a decode step compiles
 
 # transformers settings the engine does not implement, with the value that means "off"
@@ -158,12 +159,9 @@ def batch_stats(done: list, engine) -> dict:
         }
         for d in done
     ]
-    figures = ("seen", "kept", "evicted", "evicted_generated", "bytes", "ragged_bytes")
-    total = {k: sum(r[k] for r in rows) for k in figures}
-    per_layer = [  # each row's bytes of layer i as it ended: its slots and the storage's tensors beside them
-        {**{k: total[k] for k in ("seen", "kept", "evicted")}, "layer": i, "bytes": sum(held)}
-        for i, held in enumerate(zip(*(r["layer_bytes"] for r in rows)))
-    ]
+    total, per_layer = summed(
+        rows
+    )  # each row's bytes of a layer as it ended: its slots, the storage's tensors
     reserved = engine.pool.allocated_bytes() if engine.pool is not None else total["bytes"]
     return {
         **total,

@@ -34,3 +34,22 @@ def test_mla_latent_bytes():
     )
     per_entry = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4  # fp32
     assert stats["slots"] == 40 and stats["bytes"] == per_entry * 40
+
+
+@pytest.mark.parametrize("method", [Full(), SnapKV(budget=48, window=8), SnapStream(budget=48)])
+def test_a_padded_batchs_layers_hold_what_its_rows_hold(method):
+    """`KVCache.stats`: per layer, the bytes every row holds of it, adding up to the rows' bytes (a
+    left-padded row holds fewer slots than the batch is wide: counting the width for every row was more)."""
+    from evalkit.kv import KVCache
+    from tests.kv.test_batched import left_pad
+
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(0)
+    ids, mask, _ = left_pad([torch.randint(3, 256, (n,), generator=g) for n in (100, 61)])
+    cache = KVCache.for_model(method, model)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+    stats = cache.stats()
+    per_layer = [d["bytes"] for d in stats["per_layer"]]
+    assert len(per_layer) == TINY["llama"]["num_hidden_layers"]
+    assert sum(per_layer) == stats["bytes"] == sum(r["bytes"] for r in stats["rows"])

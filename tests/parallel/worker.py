@@ -131,8 +131,9 @@ def perturbed(arch: str, team) -> dict:
     return {"kept": got["kept"], "tokens": got["tokens"]}
 
 
-def tp_main(rank: int, world: int, port: int, archs: tuple, folder: str) -> None:
-    """One rank of a TP=world run: joins the group through evalkit.team, writes what it observed."""
+def as_rank(rank: int, world: int, port: int, folder: str, work) -> None:
+    """Run `work(team)` as one rank of a TP=world group (gloo, joined through evalkit.team) and write what it
+    returned to `folder`/rank<r>.json."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -140,12 +141,22 @@ def tp_main(rank: int, world: int, port: int, archs: tuple, folder: str) -> None
 
     team = Team.start(Ranks.from_config({"parallel": {"tp_size": world, "dp_size": 1}}))
     try:
-        result = {arch: observe(arch, team=team) for arch in archs}
-        result["deepseek_v3"]["perturbed"] = perturbed("deepseek_v3", team)
+        result = work(team)
     finally:
         team.leave()
     with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def tp_main(rank: int, world: int, port: int, archs: tuple, folder: str) -> None:
+    """One rank of a TP=world run: what it observed of each architecture, and SnapKV with rank 1 perturbed."""
+
+    def work(team):
+        result = {arch: observe(arch, team=team) for arch in archs}
+        result["deepseek_v3"]["perturbed"] = perturbed("deepseek_v3", team)
+        return result
+
+    as_rank(rank, world, port, folder, work)
 
 
 # a compiled step's collectives: tova_decode gathers the layer's heads, an MLA eviction takes the root's
@@ -156,18 +167,11 @@ BACKEND = "aot_eager"
 
 def tp_compiled_main(rank: int, world: int, port: int, folder: str) -> None:
     """One rank of a TP=world run of both architectures, each decode step compiled (`COMPILED` methods)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    from evalkit.team import Ranks, Team
 
-    team = Team.start(Ranks.from_config({"parallel": {"tp_size": world, "dp_size": 1}}))
-    try:
-        result = {arch: observe(arch, COMPILED, team, compile=BACKEND) for arch in ("llama", "deepseek_v3")}
-    finally:
-        team.leave()
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    def work(team):
+        return {arch: observe(arch, COMPILED, team, compile=BACKEND) for arch in ("llama", "deepseek_v3")}
+
+    as_rank(rank, world, port, folder, work)
 
 
 FP8_METHODS = {name: METHODS[name] for name in ("full", "snapstream", "h2o")}
@@ -176,19 +180,12 @@ FP8_METHODS = {name: METHODS[name] for name in ("full", "snapstream", "h2o")}
 def tp_fp8_main(rank: int, world: int, port: int, folder: str, kv="fp8_e4m3", methods=FP8_METHODS) -> None:
     """One rank of a TP=world run of the llama model with its caches in fp8 (a scale per KV head: each rank
     calibrates the heads it holds), or in another storage `kv` (a conf name, or (name, settings))."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    from evalkit.team import Ranks, Team
+    name, settings = (kv, None) if isinstance(kv, str) else kv
 
-    team = Team.start(Ranks.from_config({"parallel": {"tp_size": world, "dp_size": 1}}))
-    try:
-        name, settings = (kv, None) if isinstance(kv, str) else kv
-        result = observe("llama", methods, team, kv=name, kv_settings=settings)
-    finally:
-        team.leave()
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    def work(team):
+        return observe("llama", methods, team, kv=name, kv_settings=settings)
+
+    as_rank(rank, world, port, folder, work)
 
 
 # int4 (KIVI) on the tiny llama's 16-wide heads: groups of 8, a residual of 16 (40/57-token prompts + 12 new
